@@ -1,0 +1,33 @@
+"""moe_ops: Mixture-of-Experts layers as torch.library custom ops (namespace moe_ops) that compile with
+torch.compile and capture in CUDA graphs, with plain-PyTorch reference kernels for every device.
+
+Public API: fused_experts, route, FusedMoE, Activation, the quantization vocabulary (moe_ops.quant),
+and support_table() for which backend serves which scheme where.
+"""
+from . import quant
+from .activation import ACTIVATIONS, Activation
+from .backends import support_table
+from .fused_experts import fused_experts
+from .quant import QuantConfig, QuantScheme
+from .routing import route
+
+__all__ = [
+    "ACTIVATIONS",
+    "Activation",
+    "FusedMoE",
+    "QuantConfig",
+    "QuantScheme",
+    "fused_experts",
+    "quant",
+    "route",
+    "support_table",
+]
+
+
+def __getattr__(name):
+    # FusedMoE pulls in torch.nn machinery and the transformers hook lazily.
+    if name == "FusedMoE":
+        from .layer import FusedMoE
+
+        return FusedMoE
+    raise AttributeError(f"module 'moe_ops' has no attribute {name!r}")

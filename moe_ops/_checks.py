@@ -1,0 +1,90 @@
+"""Argument checks shared by the public API: each raises ValueError/TypeError naming the argument,
+what was given and what is allowed, before any kernel runs."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _names(values: Iterable) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def expect_tensor(name: str, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def expect_dtype(name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
+    if t.dtype not in allowed:
+        raise TypeError(f"{name}: dtype {t.dtype} is not allowed; allowed: {_names(allowed)}")
+
+
+def expect_ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def expect_shape(name: str, t: torch.Tensor, shape: Sequence, layout: str) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)} ({layout}), got {tuple(t.shape)}")
+
+
+def expect_same_device(tensors: dict[str, torch.Tensor | None]) -> torch.device:
+    present = {k: v for k, v in tensors.items() if v is not None}
+    first_name, first = next(iter(present.items()))
+    for name, t in present.items():
+        if t.device != first.device:
+            raise ValueError(
+                f"{name}: on {t.device}, but {first_name} is on {first.device}; all tensors must share one device"
+            )
+    return first.device
+
+
+def expect_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.numel() > 0 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name}: the last dimension must be contiguous (stride 1), got strides {t.stride()}; call .contiguous()"
+        )
+
+
+def expect_matrix_layout(name: str, t: torch.Tensor) -> None:
+    """Each expert's [N, K] matrix must be row-major (K contiguous) or column-major (N contiguous)."""
+    if t.numel() == 0:
+        return
+    if t.stride(2) != 1 and t.stride(1) != 1:
+        raise ValueError(
+            f"{name}: each expert's matrix must be row-major (stride(2) == 1) or column-major (stride(1) == 1), "
+            f"got strides {t.stride()}; call .contiguous()"
+        )
+
+
+def expect_choice(name: str, value, allowed: Iterable) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"{name}: got {value!r}; allowed: {_names(repr(a) for a in allowed)}")
+
+
+def value_checks_enabled() -> bool:
+    """Checks that read tensor values (a device-to-host sync) run only in eager mode: never while
+    torch.compile traces nor while a CUDA graph is being captured."""
+    if torch.compiler.is_compiling():
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def expect_values_in_range(name: str, t: torch.Tensor, low: int, high: int, what: str) -> None:
+    """Eager-only: every value of t lies in [low, high)."""
+    if t.numel() == 0 or not value_checks_enabled():
+        return
+    bad = (t < low) | (t >= high)
+    if bool(bad.any()):
+        first = t[bad][0].item()
+        raise ValueError(f"{name}: value {first} is outside [{low}, {high}) ({what})")

@@ -1,0 +1,83 @@
+"""Expert activations: the table of kinds, the Activation spec, and moe_ops::activation.
+
+Gated kinds read GEMM1's output [R, 2I] as gate and up halves, either concatenated ([gate | up], the
+layout of w13 = [gate; up]) or interleaved (gate_0, up_0, gate_1, up_1, ..., gpt-oss checkpoints), and
+return [R, I]; relu2 has no gate and maps [R, I] to [R, I]. Computed in float32, returned in x's dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def _swigluoai(gate, up, alpha, limit):
+    # gpt-oss: the gate is clamped from above only, the up projection on both sides, and 1 is added to it.
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + 1)
+
+
+# kind -> (gated, f(gate_or_x, up, alpha, limit))
+ACTIVATIONS = {
+    "silu": (True, lambda g, u, alpha, limit: F.silu(g) * u),
+    "gelu": (True, lambda g, u, alpha, limit: F.gelu(g) * u),
+    "gelu_tanh": (True, lambda g, u, alpha, limit: F.gelu(g, approximate="tanh") * u),
+    "swigluoai": (True, _swigluoai),
+    "relu2": (False, lambda x, u, alpha, limit: F.relu(x).square()),
+}
+
+
+@dataclass(frozen=True)
+class Activation:
+    """An expert activation. kind: a key of ACTIVATIONS; alpha and limit parameterise swigluoai
+    (gpt-oss uses 1.702 and 7.0); interleaved: gate and up alternate along GEMM1's output."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+    interleaved: bool = False
+
+    def __post_init__(self):
+        if self.kind not in ACTIVATIONS:
+            raise ValueError(f"activation: got {self.kind!r}; allowed: {', '.join(map(repr, ACTIVATIONS))}")
+        if self.interleaved and not self.gated:
+            raise ValueError(f"activation: {self.kind!r} has no gate, so interleaved=True means nothing")
+        if not self.limit > 0:
+            raise ValueError(f"activation.limit: got {self.limit}; allowed: > 0")
+
+    @property
+    def gated(self) -> bool:
+        return ACTIVATIONS[self.kind][0]
+
+
+def resolve_activation(activation) -> Activation:
+    """A kind name or an Activation -> Activation."""
+    if isinstance(activation, Activation):
+        return activation
+    if isinstance(activation, str):
+        return Activation(activation)
+    raise TypeError(f"activation: expected a str or moe_ops.Activation, got {type(activation).__name__}")
+
+
+def split_gate_up(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if interleaved:
+        return x[:, 0::2], x[:, 1::2]
+    half = x.shape[1] // 2
+    return x[:, :half], x[:, half:]
+
+
+@torch.library.custom_op("moe_ops::activation", mutates_args=())
+def activation(x: torch.Tensor, kind: str, alpha: float, limit: float, interleaved: bool) -> torch.Tensor:
+    """x [R, 2I] (gated) or [R, I] -> [R, I] in x's dtype."""
+    gated, fn = ACTIVATIONS[kind]
+    xf = x.float()
+    gate, up = split_gate_up(xf, interleaved) if gated else (xf, None)
+    return fn(gate, up, alpha, limit).to(x.dtype).contiguous()
+
+
+@activation.register_fake
+def _activation_fake(x, kind, alpha, limit, interleaved):
+    gated = ACTIVATIONS[kind][0]
+    return x.new_empty((x.shape[0], x.shape[1] // 2 if gated else x.shape[1]))

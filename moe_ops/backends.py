@@ -1,0 +1,88 @@
+"""Which backend runs which quantization scheme on which device, and why not when it cannot.
+
+Backends:
+- reference: plain PyTorch (moe_ops' own ops), every scheme, on any device with the dtypes it needs.
+  It dequantizes weights on each call: right everywhere, fast nowhere.
+- cute: the CuTe DSL grouped-GEMM kernels (cute_kernels) behind the fused ops of the lowering, on
+  Hopper (sm_90) GPUs.
+`support_table()` prints the answer to "why is this slow / unsupported?".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .quant.scheme import SCHEMES
+
+# Device types the reference runs on, with the storage dtypes they lack.
+_REFERENCE_DEVICES = {
+    "cpu": (),
+    "cuda": (),
+    "meta": (),
+    "mps": (torch.float8_e4m3fn,),
+}
+_FP8_SCHEMES = {n for n in SCHEMES if n.startswith("fp8") or n in ("mxfp4_w4a8", "nvfp4_w4a16", "nvfp4_w4a4")}
+
+# Schemes the CuTe DSL kernels implement, with the activation dtypes they take.
+# Filled in as kernels land (cute_kernels); until then every scheme runs on the reference.
+CUTE_SCHEMES: dict[str, tuple[torch.dtype, ...]] = {}
+CUTE_NOT_YET = "no CuTe DSL kernel for this scheme yet; runs on the reference"
+
+
+@dataclass(frozen=True)
+class Support:
+    backend: str
+    scheme: str
+    device: str
+    supported: bool
+    reason: str
+
+
+def reference_support(scheme: str, device: torch.device | str) -> Support:
+    dev = torch.device(device).type
+    if dev not in _REFERENCE_DEVICES:
+        return Support("reference", scheme, dev, False, f"device type {dev!r} is not one of {', '.join(_REFERENCE_DEVICES)}")
+    if scheme in _FP8_SCHEMES and torch.float8_e4m3fn in _REFERENCE_DEVICES[dev]:
+        return Support("reference", scheme, dev, False, f"{dev} has no float8_e4m3fn tensors")
+    return Support("reference", scheme, dev, True, "plain PyTorch; dequantizes weights on every call")
+
+
+def cute_support(scheme: str, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, capability=None) -> Support:
+    """Whether the CuTe DSL kernels serve `scheme` with activations of `dtype` on `device`;
+    capability (major, minor) defaults to the device's own."""
+    dev = torch.device(device)
+    label = f"{dev.type}" + (f" sm_{capability[0]}{capability[1]}" if capability else "")
+    if dev.type != "cuda":
+        return Support("cute", scheme, label, False, "the CuTe DSL kernels run on CUDA GPUs only")
+    if capability is None:
+        capability = torch.cuda.get_device_capability(dev) if torch.cuda.is_available() else None
+        label = f"cuda sm_{capability[0]}{capability[1]}" if capability else "cuda"
+    if capability != (9, 0):
+        return Support("cute", scheme, label, False, f"the kernels use Hopper's wgmma and TMA (sm_90), device is {capability}")
+    if scheme not in CUTE_SCHEMES:
+        return Support("cute", scheme, label, False, CUTE_NOT_YET)
+    if dtype not in CUTE_SCHEMES[scheme]:
+        return Support("cute", scheme, label, False, f"activations in {dtype}; the kernels take {CUTE_SCHEMES[scheme]}")
+    return Support("cute", scheme, label, True, "CuTe DSL grouped GEMMs with fused epilogues")
+
+
+def check_device_supports(scheme: str, device: torch.device) -> None:
+    """Raise ValueError when no backend can run `scheme` on `device`."""
+    s = reference_support(scheme, device)
+    if not s.supported:
+        raise ValueError(f"quant_config: scheme {scheme} cannot run on {device}: {s.reason}")
+
+
+def support_table() -> str:
+    """A markdown table: for each scheme, the reference on CPU and CUDA and the CuTe DSL kernels on
+    sm_90 in bf16, with the reason where one cannot serve."""
+    lines = ["| scheme | reference (cpu) | reference (cuda) | cute (cuda sm_90, bf16) |", "|---|---|---|---|"]
+    for scheme in SCHEMES:
+        cells = [
+            reference_support(scheme, "cpu"),
+            reference_support(scheme, "cuda"),
+            cute_support(scheme, "cuda", torch.bfloat16, capability=(9, 0)),
+        ]
+        lines.append(f"| {scheme} | " + " | ".join(("yes" if c.supported else "no: " + c.reason) for c in cells) + " |")
+    return "\n".join(lines)

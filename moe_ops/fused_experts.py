@@ -1,0 +1,184 @@
+"""fused_experts: the MoE experts computation as a chain of moe_ops custom ops.
+
+routing_plan -> [quantize] -> grouped_gemm (gathers tokens) -> activation -> [quantize] -> grouped_gemm
+-> weighted_reduce. Each op appears as one node in a compiled graph, which is what the lowering fuses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import _checks
+from .activation import Activation, resolve_activation
+from .activation import activation as activation_op
+from .backends import check_device_supports
+from .gemm import grouped_gemm
+from .plan import routing_plan
+from .quant.config import QuantConfig
+from .quant.quantize import quantize
+from .quant.scheme import UNQUANTIZED, ActivationQuant, WeightQuant
+from .reduce import weighted_reduce
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    num_experts: int  # local experts (w13.shape[0])
+    num_global_experts: int  # valid ids are [0, this); len(expert_map) or num_experts
+    hidden: int
+    intermediate: int
+    n13: int  # rows of each expert's w13: 2I gated, I otherwise
+    top_k: int
+
+
+def check_inputs(
+    hidden_states, w13, w2, topk_weights, topk_ids, act: Activation, config: QuantConfig, w13_bias, w2_bias, expert_map
+) -> LayerShape:
+    """Validate everything fused_experts receives; raise ValueError/TypeError naming the argument."""
+    for name, t in (("hidden_states", hidden_states), ("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        _checks.expect_tensor(name, t)
+    _checks.expect_ndim("hidden_states", hidden_states, 2, "[M, H]")
+    _checks.expect_dtype("hidden_states", hidden_states, _checks.FLOAT_DTYPES)
+    _checks.expect_last_dim_contiguous("hidden_states", hidden_states)
+    _checks.expect_ndim("w13", w13, 3, "[E, 2I, H] (or [E, I, H] without a gate)")
+    _checks.expect_ndim("w2", w2, 3, "[E, H, I]")
+    _checks.expect_ndim("topk_weights", topk_weights, 2, "[M, k]")
+    _checks.expect_ndim("topk_ids", topk_ids, 2, "[M, k]")
+    _checks.expect_dtype("topk_weights", topk_weights, (torch.float32,))
+    _checks.expect_dtype("topk_ids", topk_ids, _checks.INDEX_DTYPES)
+    device = _checks.expect_same_device(
+        {"hidden_states": hidden_states, "w13": w13, "w2": w2, "topk_weights": topk_weights, "topk_ids": topk_ids,
+         "w13_bias": w13_bias, "w2_bias": w2_bias, "expert_map": expert_map,
+         **{f"quant_config.{k}": v for k, v in config.tensors().items()}}
+    )  # fmt: skip
+    m, hidden = hidden_states.shape
+    num_experts = w13.shape[0]
+    wq = config.scheme.weight
+    packing = 1 if wq is None else wq.packing
+    intermediate = w2.shape[2] * packing
+    n13 = 2 * intermediate if act.gated else intermediate
+    if w2.shape[0] != num_experts:
+        raise ValueError(f"w2: has {w2.shape[0]} experts, w13 has {num_experts}")
+    if w2.shape[1] != hidden:
+        raise ValueError(f"w2: expected shape [E, H={hidden}, I], got {tuple(w2.shape)}")
+    if w13.shape[1] != n13:
+        raise ValueError(
+            f"w13: activation {act.kind!r} needs {n13} rows per expert ({'2I' if act.gated else 'I'} with I={intermediate} "
+            f"from w2), got shape {tuple(w13.shape)}"
+        )
+    if w13.shape[2] * packing != hidden:
+        raise ValueError(f"w13: expected {hidden // packing} columns (H={hidden}), got shape {tuple(w13.shape)}")
+    if wq is None:
+        for name, w in (("w13", w13), ("w2", w2)):
+            if w.dtype != hidden_states.dtype:
+                raise TypeError(f"{name}: dtype {w.dtype} differs from hidden_states' {hidden_states.dtype}; allowed: the same dtype")
+            _checks.expect_matrix_layout(name, w)
+    else:
+        for name, w in (("w13", w13), ("w2", w2)):
+            if not w.is_contiguous():
+                raise ValueError(f"{name}: quantized ({wq.dtype}) weights must be contiguous, got strides {w.stride()}")
+    config.check_weights(w13, w2, hidden, intermediate, n13)
+    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != m:
+        raise ValueError(
+            f"topk_weights and topk_ids: expected both [M={m}, k], got {tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}"
+        )
+    top_k = topk_ids.shape[1]
+    num_global = num_experts
+    if expert_map is not None:
+        _checks.expect_tensor("expert_map", expert_map)
+        _checks.expect_ndim("expert_map", expert_map, 1, "[E_global]")
+        _checks.expect_dtype("expert_map", expert_map, _checks.INDEX_DTYPES)
+        num_global = expert_map.shape[0]
+        _checks.expect_values_in_range("expert_map", expert_map, -1, num_experts, f"-1 or a local expert id < E={num_experts}")
+    if top_k > num_global:
+        raise ValueError(f"topk_ids: top_k={top_k} is larger than the number of experts E={num_global}")
+    for name, bias, n in (("w13_bias", w13_bias, n13), ("w2_bias", w2_bias, hidden)):
+        if bias is not None:
+            _checks.expect_tensor(name, bias)
+            _checks.expect_shape(name, bias, (num_experts, n), "[E, N]")
+            _checks.expect_dtype(name, bias, _checks.FLOAT_DTYPES)
+    _checks.expect_values_in_range(
+        "topk_ids", topk_ids, 0, num_global, "expert ids" + (" (global, indexing expert_map)" if expert_map is not None else "")
+    )
+    check_device_supports(config.name, device)
+    return LayerShape(num_experts, num_global, hidden, intermediate, n13, top_k)
+
+
+def _act_args(aq: ActivationQuant | None) -> tuple[str, list[int]]:
+    return ("none", [-1, -1]) if aq is None else (aq.dtype, list(aq.group.astuple()))
+
+
+def _weight_args(wq: WeightQuant | None) -> tuple[str, list[int]]:
+    return ("none", [-1, -1]) if wq is None else (wq.dtype, list(wq.group.astuple()))
+
+
+def _quantize_input(x: torch.Tensor, aq: ActivationQuant | None, t: dict):
+    if aq is None:
+        return x, None
+    return quantize(x, aq.dtype, list(aq.group.astuple()), t["a_scale"], t["a_global_scale"])
+
+
+def fused_experts(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str | Activation = "silu",
+    quant_config: QuantConfig | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
+) -> torch.Tensor:
+    """The experts of a MoE layer: out[m] = sum_j topk_weights[m, j] * expert_{topk_ids[m, j]}(hidden_states[m]).
+
+    hidden_states [M, H] (float32/bf16/fp16); w13 [E, 2I, H] = [gate; up] (or [E, I, H] for an activation
+    without a gate; each expert's matrix row- or column-major), w2 [E, H, I]; topk_weights [M, k] float32;
+    topk_ids [M, k] int32/int64. expert(x) = act(x @ w13[e].T + w13_bias[e]) @ w2[e].T + w2_bias[e].
+    Quantized schemes store w13/w2 as QuantConfig describes (packed formats hold K/2 columns).
+    expert_map [E_global] maps global ids to local ones, -1 for experts on other ranks (they contribute
+    nothing). apply_router_weight_on_input multiplies the input by the weight instead (top_k == 1).
+    Returns [M, H] in hidden_states' dtype.
+
+    Eager calls check expert ids against [0, E_global) (a host sync); compiled and CUDA-graph-captured
+    calls skip that check and treat an out-of-range id like an expert on another rank.
+    """
+    act = resolve_activation(activation)
+    config = quant_config if quant_config is not None else QuantConfig(UNQUANTIZED)
+    if not isinstance(config, QuantConfig):
+        raise TypeError(f"quant_config: expected moe_ops.QuantConfig or None, got {type(config).__name__}")
+    for name, given, inside in (("w13_bias", w13_bias, config.w13_bias), ("w2_bias", w2_bias, config.w2_bias)):
+        if given is not None and inside is not None:
+            raise ValueError(f"{name}: given both as an argument and in quant_config; give it once")
+    w13_bias = w13_bias if w13_bias is not None else config.w13_bias
+    w2_bias = w2_bias if w2_bias is not None else config.w2_bias
+    shape = check_inputs(hidden_states, w13, w2, topk_weights, topk_ids, act, config, w13_bias, w2_bias, expert_map)
+    if apply_router_weight_on_input:
+        if shape.top_k != 1:
+            raise ValueError(f"apply_router_weight_on_input: needs top_k == 1, got top_k={shape.top_k}")
+        hidden_states = (hidden_states.float() * topk_weights).to(hidden_states.dtype)
+        topk_weights = torch.ones_like(topk_weights)
+
+    scheme = config.scheme
+    out_dtype = hidden_states.dtype
+    a_dtype, a_group = _act_args(scheme.activation)
+    w_dtype, w_group = _weight_args(scheme.weight)
+    t13, t2 = config.gemm("13"), config.gemm("2")
+
+    offsets, gather_idx, inverse = routing_plan(topk_ids, shape.num_experts, expert_map)
+    a1, a1_scale = _quantize_input(hidden_states, scheme.activation, t13)
+    h = grouped_gemm(
+        a1, a1_scale, t13["a_global_scale"], a_dtype, a_group,
+        w13, t13["w_scale"], t13["w_global_scale"], t13["w_zero"], w_dtype, w_group,
+        w13_bias, offsets, gather_idx, out_dtype,
+    )  # fmt: skip
+    h = activation_op(h, act.kind, float(act.alpha), float(act.limit), act.interleaved)
+    a2, a2_scale = _quantize_input(h, scheme.activation, t2)
+    y = grouped_gemm(
+        a2, a2_scale, t2["a_global_scale"], a_dtype, a_group,
+        w2, t2["w_scale"], t2["w_global_scale"], t2["w_zero"], w_dtype, w_group,
+        w2_bias, offsets, None, out_dtype,
+    )  # fmt: skip
+    return weighted_reduce(y, topk_weights, inverse, offsets)

@@ -1,0 +1,328 @@
+"""QuantConfig: a QuantScheme plus the tensors it needs for both GEMMs, the factories that build each
+supported scheme, and the reference quantizer that turns float expert weights into any scheme."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .. import _checks
+from . import formats
+from .scheme import (
+    PER_CHANNEL,
+    PER_TENSOR,
+    PER_TOKEN,
+    UNQUANTIZED,
+    ActivationQuant,
+    GroupShape,
+    QuantScheme,
+    WeightQuant,
+)
+
+_TENSOR_FIELDS = (
+    "w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale", "w13_zero", "w2_zero",
+    "a13_scale", "a2_scale", "a13_global_scale", "a2_global_scale", "w13_bias", "w2_bias",
+)  # fmt: skip
+
+
+def _required_fields(scheme: QuantScheme) -> set[str]:
+    """The tensor fields a scheme needs; every other tensor field (biases aside) must be None."""
+    need: set[str] = set()
+    w, a = scheme.weight, scheme.activation
+    if w is not None:
+        need |= {"w13_scale", "w2_scale"}
+        if w.dtype == "nvfp4":
+            need |= {"w13_global_scale", "w2_global_scale"}
+        if w.zero_point:
+            need |= {"w13_zero", "w2_zero"}
+    if a is not None:
+        if a.static:
+            need |= {"a13_scale", "a2_scale"}
+        if a.dtype == "nvfp4":
+            need |= {"a13_global_scale", "a2_global_scale"}
+    return need
+
+
+@dataclass(frozen=True, eq=False)
+class QuantConfig:
+    """Quantization of one MoE layer: the scheme, and per GEMM (13: gate/up, 2: down):
+    - w*_scale [E, cdiv(N, gr), cdiv(K, gc)]: weight dequantization scales (see formats.py for dtypes);
+    - w*_global_scale float32 [E]: nvfp4 weights' global scales;
+    - w*_zero uint8 [E, N, K / g]: int4 zero points (codes 0..15);
+    - a*_scale float32 [1]: static per-tensor activation scales (dynamic when the scheme is not static);
+    - a*_global_scale float32 [1]: nvfp4 activations' global scales;
+    - w*_bias [E, N]: biases, added after dequantization (also allowed for unquantized layers).
+    """
+
+    scheme: QuantScheme = UNQUANTIZED
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    w13_global_scale: torch.Tensor | None = None
+    w2_global_scale: torch.Tensor | None = None
+    w13_zero: torch.Tensor | None = None
+    w2_zero: torch.Tensor | None = None
+    a13_scale: torch.Tensor | None = None
+    a2_scale: torch.Tensor | None = None
+    a13_global_scale: torch.Tensor | None = None
+    a2_global_scale: torch.Tensor | None = None
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.scheme, QuantScheme):
+            raise TypeError(f"QuantConfig.scheme: expected a QuantScheme, got {type(self.scheme).__name__}")
+        need = _required_fields(self.scheme)
+        for name in _TENSOR_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                _checks.expect_tensor(f"QuantConfig.{name}", value)
+            if name in need and value is None:
+                raise ValueError(f"QuantConfig.{name}: required by scheme {self.scheme.describe()}, got None")
+            if name not in need and not name.endswith("_bias") and value is not None:
+                raise ValueError(
+                    f"QuantConfig.{name}: given, but scheme {self.scheme.describe()} does not use it; "
+                    f"it uses: {', '.join(sorted(need)) or 'no scale tensors'}"
+                )
+
+    @property
+    def name(self) -> str:
+        return self.scheme.name
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "scheme"}
+
+    def gemm(self, which: str) -> dict[str, torch.Tensor | None]:
+        """The tensors of GEMM "13" or "2", keyed without the prefix (w_scale, a_scale, ...)."""
+        return {
+            "a_scale": getattr(self, f"a{which}_scale"),
+            "a_global_scale": getattr(self, f"a{which}_global_scale"),
+            "w_scale": getattr(self, f"w{which}_scale"),
+            "w_global_scale": getattr(self, f"w{which}_global_scale"),
+            "w_zero": getattr(self, f"w{which}_zero"),
+            "bias": getattr(self, f"w{which}_bias"),
+        }
+
+    def check_weights(self, w13: torch.Tensor, w2: torch.Tensor, hidden: int, intermediate: int, n13: int) -> None:
+        """Shapes and dtypes of the weights and every tensor of this config against the layer's
+        E, hidden size H and intermediate size I (w13 holds n13 = 2I or I output rows)."""
+        num_experts = w13.shape[0]
+        for which, w, n, k in (("13", w13, n13, hidden), ("2", w2, hidden, intermediate)):
+            t = self.gemm(which)
+            _check_weight(f"w{which}", self.scheme.weight, w, t, num_experts, n, k)
+            _check_activation(f"a{which}", self.scheme.activation, t, k)
+            if t["bias"] is not None:
+                _checks.expect_shape(f"w{which}_bias", t["bias"], (num_experts, n), "[E, N]")
+                _checks.expect_dtype(f"w{which}_bias", t["bias"], _checks.FLOAT_DTYPES)
+
+
+def _check_weight(name, wq: WeightQuant | None, w, t, num_experts, n, k):
+    if wq is None:
+        _checks.expect_dtype(name, w, _checks.FLOAT_DTYPES)
+        return
+    _checks.expect_dtype(name, w, (wq.storage,))
+    packed_k = formats.cdiv(k, wq.packing)
+    _checks.expect_shape(name, w, (num_experts, n, packed_k), f"[E, N, K/{wq.packing}] {wq.dtype}")
+    group = wq.group.astuple()
+    if wq.packing > 1 and k % 2:
+        raise ValueError(f"{name}: {wq.dtype} packs two values per byte; K={k} must be even")
+    if wq.group.kind == "1xG" and k % wq.group.cols:
+        raise ValueError(f"{name}: K={k} must be a multiple of the {wq.dtype} group size {wq.group.cols}")
+    sshape = (num_experts, *formats.scale_shape(group, n, k))
+    _checks.expect_shape(f"{name}_scale", t["w_scale"], sshape, f"[E, N/{group[0]}, K/{group[1]}]")
+    _checks.expect_dtype(f"{name}_scale", t["w_scale"], wq.scale_dtypes)
+    if wq.dtype == "nvfp4":
+        _checks.expect_shape(f"{name}_global_scale", t["w_global_scale"], (num_experts,), "[E]")
+        _checks.expect_dtype(f"{name}_global_scale", t["w_global_scale"], (torch.float32,))
+    if wq.zero_point:
+        _checks.expect_shape(f"{name}_zero", t["w_zero"], sshape, "like the scales")
+        _checks.expect_dtype(f"{name}_zero", t["w_zero"], (torch.uint8,))
+
+
+def _check_activation(name, aq: ActivationQuant | None, t, k):
+    if aq is None:
+        return
+    if aq.packing > 1 and k % 16:
+        raise ValueError(f"{name}: nvfp4 activations need K={k} to be a multiple of 16")
+    for key in ("a_scale", "a_global_scale"):
+        if t[key] is not None:
+            label = f"{name}{key[1:]}"
+            _checks.expect_shape(label, t[key], (1,), "[1]")
+            _checks.expect_dtype(label, t[key], (torch.float32,))
+
+
+# ---- factories ----------------------------------------------------------------------------------
+
+
+def unquantized(w13_bias=None, w2_bias=None) -> QuantConfig:
+    """bf16/fp16/fp32 activations and weights, with optional biases [E, N]."""
+    return QuantConfig(UNQUANTIZED, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
+def fp8_w8a8_per_tensor(w13_scale, w2_scale, a13_scale=None, a2_scale=None, w13_bias=None, w2_bias=None):
+    """fp8 weights with one scale per expert ([E, 1, 1]); fp8 activations with one scale per tensor,
+    static (a13_scale and a2_scale [1] given) or dynamic (computed per batch)."""
+    if (a13_scale is None) != (a2_scale is None):
+        raise ValueError("a13_scale and a2_scale: give both (static activation scales) or neither (dynamic)")
+    scheme = QuantScheme(ActivationQuant("fp8", PER_TENSOR, static=a13_scale is not None), WeightQuant("fp8", PER_TENSOR))
+    return QuantConfig(scheme, w13_scale, w2_scale, a13_scale=a13_scale, a2_scale=a2_scale, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
+def fp8_w8a8_per_token(w13_scale, w2_scale, w13_bias=None, w2_bias=None):
+    """fp8 weights with per-channel scales [E, N, 1]; fp8 activations with dynamic per-token scales."""
+    scheme = QuantScheme(ActivationQuant("fp8", PER_TOKEN), WeightQuant("fp8", PER_CHANNEL))
+    return QuantConfig(scheme, w13_scale, w2_scale, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
+def fp8_w8a8_block(w13_scale, w2_scale, block_size=128, w13_bias=None, w2_bias=None):
+    """DeepSeek-style: fp8 weights in block_size x block_size blocks, scales [E, N/b, K/b]; fp8
+    activations in dynamic 1 x block_size groups per token."""
+    scheme = QuantScheme(
+        ActivationQuant("fp8", GroupShape(1, block_size)), WeightQuant("fp8", GroupShape(block_size, block_size))
+    )
+    return QuantConfig(scheme, w13_scale, w2_scale, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
+def int8_w8a8(w13_scale, w2_scale, a13_scale=None, a2_scale=None, w13_bias=None, w2_bias=None):
+    """int8 weights with per-channel scales [E, N, 1]; int8 activations with dynamic per-token scales,
+    or static per-tensor scales when a13_scale and a2_scale [1] are given."""
+    if (a13_scale is None) != (a2_scale is None):
+        raise ValueError("a13_scale and a2_scale: give both (static activation scales) or neither (dynamic)")
+    static = a13_scale is not None
+    act = ActivationQuant("int8", PER_TENSOR, static=True) if static else ActivationQuant("int8", PER_TOKEN)
+    scheme = QuantScheme(act, WeightQuant("int8", PER_CHANNEL))
+    return QuantConfig(scheme, w13_scale, w2_scale, a13_scale=a13_scale, a2_scale=a2_scale, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
+def fp8_w8a16(w13_scale, w2_scale, group: GroupShape = PER_CHANNEL, w13_bias=None, w2_bias=None):
+    """fp8 weights (per-tensor, per-channel or square-block scales, by `group`); activations stay in
+    the model's dtype."""
+    return QuantConfig(QuantScheme(None, WeightQuant("fp8", group)), w13_scale, w2_scale, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
+def int8_w8a16(w13_scale, w2_scale, group_size: int | None = None, w13_bias=None, w2_bias=None):
+    """int8 weights, per-channel scales [E, N, 1] or groups of group_size along K; 16-bit activations."""
+    group = PER_CHANNEL if group_size is None else GroupShape(1, group_size)
+    return QuantConfig(QuantScheme(None, WeightQuant("int8", group)), w13_scale, w2_scale, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
+def int4_w4a16(w13_scale, w2_scale, group_size=128, w13_zero=None, w2_zero=None, w13_bias=None, w2_bias=None):
+    """int4 weights (GPTQ/AWQ-like) packed two per byte, groups of group_size along K, symmetric or
+    with uint8 zero points [E, N, K/g]; 16-bit activations."""
+    if (w13_zero is None) != (w2_zero is None):
+        raise ValueError("w13_zero and w2_zero: give both (asymmetric int4) or neither (symmetric)")
+    scheme = QuantScheme(None, WeightQuant("int4", GroupShape(1, group_size), zero_point=w13_zero is not None))
+    return QuantConfig(scheme, w13_scale, w2_scale, w13_zero=w13_zero, w2_zero=w2_zero, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
+def nvfp4_w4a16(w13_scale, w2_scale, w13_global_scale, w2_global_scale, w13_bias=None, w2_bias=None):
+    """nvfp4 weights: e2m1 packed two per byte, e4m3 scales per 16 [E, N, K/16], float32 global
+    scales [E]; 16-bit activations."""
+    scheme = QuantScheme(None, WeightQuant("nvfp4", GroupShape(1, 16)))
+    return QuantConfig(
+        scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, w13_bias=w13_bias, w2_bias=w2_bias
+    )
+
+
+def nvfp4_w4a4(
+    w13_scale, w2_scale, w13_global_scale, w2_global_scale, a13_global_scale, a2_global_scale,
+    w13_bias=None, w2_bias=None,
+):  # fmt: skip
+    """nvfp4 weights as in nvfp4_w4a16, and activations quantized to nvfp4 per 16 with calibrated
+    float32 global scales [1]."""
+    group = GroupShape(1, 16)
+    scheme = QuantScheme(ActivationQuant("nvfp4", group), WeightQuant("nvfp4", group))
+    return QuantConfig(
+        scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale,
+        a13_global_scale=a13_global_scale, a2_global_scale=a2_global_scale, w13_bias=w13_bias, w2_bias=w2_bias,
+    )  # fmt: skip
+
+
+def mxfp4_w4a16(w13_scale, w2_scale, w13_bias=None, w2_bias=None):
+    """mxfp4 weights (gpt-oss): e2m1 packed two per byte, e8m0 scales per 32 [E, N, K/32] as uint8;
+    16-bit activations."""
+    return QuantConfig(
+        QuantScheme(None, WeightQuant("mxfp4", GroupShape(1, 32))), w13_scale, w2_scale, w13_bias=w13_bias, w2_bias=w2_bias
+    )
+
+
+def mxfp4_w4a8(w13_scale, w2_scale, a13_scale=None, a2_scale=None, per_token=False, w13_bias=None, w2_bias=None):
+    """mxfp4 weights with fp8 activations: per-tensor (static when a13_scale and a2_scale are given,
+    else dynamic) or dynamic per-token."""
+    if (a13_scale is None) != (a2_scale is None):
+        raise ValueError("a13_scale and a2_scale: give both (static activation scales) or neither (dynamic)")
+    static = a13_scale is not None
+    if static and per_token:
+        raise ValueError("per_token: static scales are per-tensor; pass per_token=False with a13_scale/a2_scale")
+    act = ActivationQuant("fp8", PER_TOKEN if per_token else PER_TENSOR, static=static)
+    scheme = QuantScheme(act, WeightQuant("mxfp4", GroupShape(1, 32)))
+    return QuantConfig(scheme, w13_scale, w2_scale, a13_scale=a13_scale, a2_scale=a2_scale, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
+# ---- reference weight quantizer -----------------------------------------------------------------
+
+
+def _quantize_nvfp4_weight(w: torch.Tensor, wq: WeightQuant) -> dict:
+    global_scale = formats.nvfp4_global_scale(w, dims=(1, 2))
+    q, scale = formats.quantize_nvfp4(w, global_scale)
+    return {"q": q, "scale": scale, "global_scale": global_scale}
+
+
+# format -> float [E, N, K] -> {"q", "scale"[, "global_scale", "zero"]}
+_WEIGHT_QUANTIZERS = {
+    "fp8": lambda w, wq: dict(zip(("q", "scale"), formats.quantize_fp8(w, wq.group.astuple()))),
+    "int8": lambda w, wq: dict(zip(("q", "scale"), formats.quantize_int8(w, wq.group.astuple()))),
+    "int4": lambda w, wq: dict(zip(("q", "scale", "zero"), formats.quantize_int4(w, wq.group.cols, wq.zero_point))),
+    "nvfp4": _quantize_nvfp4_weight,
+    "mxfp4": lambda w, wq: dict(zip(("q", "scale"), formats.quantize_mxfp4(w))),
+}
+
+
+def quantize_weight(w: torch.Tensor, wq: WeightQuant) -> dict[str, torch.Tensor | None]:
+    """float [E, N, K] -> {"q": storage, "scale": ..., "global_scale": ..., "zero": ...} for wq."""
+    return {"global_scale": None, "zero": None, **_WEIGHT_QUANTIZERS[wq.dtype](w, wq)}
+
+
+def quantize_weights(
+    scheme: QuantScheme,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    calibration: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, QuantConfig]:
+    """Quantize float expert weights w13 [E, N13, H], w2 [E, H, I] to `scheme` with the reference
+    quantizers. Returns (w13_q, w2_q, config). Static activation scales and nvfp4 activation global
+    scales are calibrated on `calibration` (sample activations [T, H]; for the second GEMM the
+    intermediate is estimated as 4x the input range, so pass real ones for production)."""
+    if not isinstance(scheme, QuantScheme):
+        raise TypeError(f"scheme: expected a QuantScheme, got {type(scheme).__name__}")
+    if scheme.weight is None:
+        return w13, w2, QuantConfig(scheme, w13_bias=w13_bias, w2_bias=w2_bias)
+    q13, q2 = quantize_weight(w13, scheme.weight), quantize_weight(w2, scheme.weight)
+    extra = {}
+    a = scheme.activation
+    if a is not None and (a.static or a.dtype == "nvfp4"):
+        if calibration is None:
+            raise ValueError(f"calibration: scheme {scheme.describe()} needs sample activations for its static scales")
+        amax = calibration.float().abs().amax().clamp(min=1e-6)
+        per_tensor = {"fp8": amax / formats.FP8_MAX, "int8": amax / formats.INT8_MAX,
+                      "nvfp4": amax / (formats.FP8_MAX * formats.E2M1_MAX)}[a.dtype]  # fmt: skip
+        key = "global_scale" if a.dtype == "nvfp4" else "scale"
+        extra[f"a13_{key}"] = per_tensor.reshape(1).to(w13.device)
+        extra[f"a2_{key}"] = (4 * per_tensor).reshape(1).to(w13.device)
+    config = QuantConfig(
+        scheme,
+        w13_scale=q13["scale"], w2_scale=q2["scale"],
+        w13_global_scale=q13["global_scale"], w2_global_scale=q2["global_scale"],
+        w13_zero=q13["zero"], w2_zero=q2["zero"],
+        w13_bias=w13_bias, w2_bias=w2_bias, **extra,
+    )  # fmt: skip
+    return q13["q"], q2["q"], config
+
+
+def dequantize_weight(w: torch.Tensor, wq: WeightQuant | None, scale=None, global_scale=None, zero=None) -> torch.Tensor:
+    """Stored weight [E, N, K/packing] -> float32 [E, N, K]."""
+    if wq is None:
+        return w.float()
+    return formats.dequantize(w, wq.dtype, wq.group.astuple(), scale, global_scale, zero)

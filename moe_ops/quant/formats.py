@@ -1,0 +1,225 @@
+"""Reference encodings of the quantized formats, in plain PyTorch (any device, no host syncs).
+
+Every quantized tensor q of logical shape [..., R, C] comes with a scale tensor of shape
+[..., cdiv(R, gr), cdiv(C, gc)] for its group shape (gr, gc) (-1 = the whole dimension), holding
+dequantization multipliers: x ~= decode(q) * scale (* global_scale for nvfp4).
+
+| format | storage of q                        | scale storage               | extra                          |
+|--------|-------------------------------------|-----------------------------|--------------------------------|
+| fp8    | float8_e4m3fn                       | float32                     |                                |
+| int8   | int8, symmetric                     | float32                     |                                |
+| int4   | uint8, 2 per byte, values 0..15     | float32/bf16/fp16           | zero points uint8 (else 8)     |
+| nvfp4  | uint8, 2 e2m1 per byte, groups 1x16 | float8_e4m3fn               | float32 global scale           |
+| mxfp4  | uint8, 2 e2m1 per byte, groups 1x32 | uint8 e8m0 (2**(b - 127))   |                                |
+
+Packed formats hold element 2j in the low nibble and 2j+1 in the high nibble of byte j.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+INT8_MAX = 127.0
+E2M1_MAX = 6.0
+# e2m1 code -> value; bit 3 is the sign.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_TINY = 1e-12
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def group_dims(group: tuple[int, int], rows: int, cols: int) -> tuple[int, int]:
+    """The (rows, cols) of one group of a [rows, cols] matrix; -1 spans the whole dimension."""
+    gr, gc = group
+    return (rows if gr == -1 else gr), (cols if gc == -1 else gc)
+
+
+def scale_shape(group: tuple[int, int], rows: int, cols: int) -> tuple[int, int]:
+    """Shape of the scales of a [rows, cols] matrix; a whole-dimension group has one scale even when
+    the dimension is empty (no branching on rows, which may be symbolic)."""
+    gr, gc = group
+    return (1 if gr == -1 else cdiv(rows, gr)), (1 if gc == -1 else cdiv(cols, gc))
+
+
+def group_amax(x: torch.Tensor, group: tuple[int, int]) -> torch.Tensor:
+    """float32 [..., R, C] -> [..., cdiv(R, gr), cdiv(C, gc)]: the largest |x| of each group."""
+    *lead, rows, cols = x.shape
+    gr, gc = group_dims(group, rows, cols)
+    sr, sc = scale_shape(group, rows, cols)
+    if x.numel() == 0:
+        return x.new_zeros((*lead, sr, sc), dtype=torch.float32)
+    padded = torch.nn.functional.pad(x.float().abs(), (0, sc * gc - cols, 0, sr * gr - rows))
+    return padded.view(*lead, sr, gr, sc, gc).amax(dim=(-3, -1))
+
+
+def expand_groups(scale: torch.Tensor, group: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
+    """[..., cdiv(R, gr), cdiv(C, gc)] -> [..., R, C], each group's value repeated over the group
+    (a broadcast view along whole-dimension groups)."""
+    out = scale
+    if group[0] not in (-1, 1):
+        out = out.repeat_interleave(group[0], dim=-2)[..., :rows, :]
+    if group[1] not in (-1, 1):
+        out = out.repeat_interleave(group[1], dim=-1)[..., :cols]
+    return out.expand(*scale.shape[:-2], rows, cols)
+
+
+def broadcast_global(global_scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A global scale of one element, or one per leading index of x ([E] for [E, R, C] weights),
+    shaped to broadcast against x [..., R, C]."""
+    g = global_scale.float()
+    if g.numel() == 1:
+        return g.reshape(())
+    return g.reshape(*x.shape[:-2], 1, 1)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., C] with values 0..15 (C even) -> uint8 [..., C // 2]."""
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., C // 2] -> uint8 [..., C] with values 0..15."""
+    low = packed & 0xF
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """float -> uint8 e2m1 codes (0..15), round to nearest, saturating at +-6."""
+    mids = torch.tensor(_E2M1_MIDPOINTS, device=x.device, dtype=torch.float32)
+    magnitude = torch.bucketize(x.float().abs(), mids)  # 0..7, ties round up
+    sign = (x < 0).to(torch.uint8) << 3
+    return magnitude.to(torch.uint8) | sign
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(E2M1_VALUES, device=codes.device, dtype=torch.float32)
+    return table[codes.long()]
+
+
+def e8m0_encode(scale: torch.Tensor) -> torch.Tensor:
+    """Positive float32 -> uint8 biased exponents b with 2**(b - 127) >= scale (rounded up, so that
+    x / 2**(b - 127) never exceeds the element format's range)."""
+    exponent = torch.ceil(torch.log2(scale.float().clamp(min=2.0**-127)))
+    return (exponent + 127).clamp(0, 254).to(torch.uint8)
+
+
+def e8m0_decode(biased: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(biased.float() - 127.0)
+
+
+# ---- quantizers: float [..., R, C] -> (q, scale[, ...]) ------------------------------------------
+
+
+def quantize_fp8(x: torch.Tensor, group, scale: torch.Tensor | None = None):
+    """fp8 e4m3: dynamic scale amax / 448 per group, or the given (static) scale."""
+    if scale is None:
+        scale = (group_amax(x, group) / FP8_MAX).clamp(min=_TINY)
+    full = expand_groups(scale.float(), group, x.shape[-2], x.shape[-1])
+    q = (x.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale.float()
+
+
+def quantize_int8(x: torch.Tensor, group, scale: torch.Tensor | None = None):
+    """Symmetric int8: dynamic scale amax / 127 per group, or the given (static) scale."""
+    if scale is None:
+        scale = (group_amax(x, group) / INT8_MAX).clamp(min=_TINY)
+    full = expand_groups(scale.float(), group, x.shape[-2], x.shape[-1])
+    q = torch.round(x.float() / full).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale.float()
+
+
+def quantize_int4(x: torch.Tensor, group_size: int, zero_point: bool):
+    """int4 along the last dim in groups of group_size: symmetric (codes q - 8) or asymmetric with a
+    zero point per group. Returns (packed uint8 [..., R, C/2], scale float32, zero uint8 or None)."""
+    group = (1, group_size)
+    rows, cols = x.shape[-2:]
+    xf = x.float()
+    if zero_point:
+        padded = xf.reshape(*x.shape[:-1], cols // group_size, group_size)
+        lo = padded.amin(-1).clamp(max=0.0)
+        hi = padded.amax(-1).clamp(min=0.0)
+        scale = ((hi - lo) / 15.0).clamp(min=_TINY)
+        zero = torch.round(-lo / scale).clamp(0, 15)
+    else:
+        scale = (group_amax(xf, group) / 7.0).clamp(min=_TINY)
+        zero = torch.full_like(scale, 8.0)
+    full_scale = expand_groups(scale, group, rows, cols)
+    full_zero = expand_groups(zero, group, rows, cols)
+    codes = torch.round(xf / full_scale + full_zero).clamp(0, 15)
+    return pack_nibbles(codes.to(torch.uint8)), scale, (zero.to(torch.uint8) if zero_point else None)
+
+
+def nvfp4_global_scale(x: torch.Tensor, dims=None) -> torch.Tensor:
+    """The float32 global dequantization scale amax / (448 * 6) over dims (all by default)."""
+    amax = x.float().abs().amax(dim=dims) if x.numel() else x.new_zeros((), dtype=torch.float32)
+    return (amax / (FP8_MAX * E2M1_MAX)).clamp(min=_TINY)
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor):
+    """nvfp4: e2m1 values in groups of 16 along the last dim with e4m3 group scales, times a float32
+    global scale (broadcast against [..., 1, 1]). Returns (packed uint8, scale float8_e4m3fn)."""
+    group = (1, 16)
+    rows, cols = x.shape[-2:]
+    g = broadcast_global(global_scale, x)
+    block = (group_amax(x, group) / E2M1_MAX / g).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    full = expand_groups(block.float(), group, rows, cols) * g
+    safe = torch.where(full > 0, full, torch.ones_like(full))
+    return pack_nibbles(e2m1_encode(x.float() / safe)), block
+
+
+def quantize_mxfp4(x: torch.Tensor):
+    """mxfp4 (OCP MX): e2m1 values in groups of 32 along the last dim with e8m0 power-of-two scales.
+    Returns (packed uint8, scale uint8 e8m0)."""
+    group = (1, 32)
+    rows, cols = x.shape[-2:]
+    biased = e8m0_encode(group_amax(x, group) / E2M1_MAX)
+    full = expand_groups(e8m0_decode(biased), group, rows, cols)
+    return pack_nibbles(e2m1_encode(x.float() / full)), biased
+
+
+# ---- decoders: q -> float32 values before scaling -------------------------------------------------
+
+DECODE = {
+    "fp8": lambda q: q.float(),
+    "int8": lambda q: q.float(),
+    "int4": lambda q: unpack_nibbles(q).float(),
+    "nvfp4": lambda q: e2m1_decode(unpack_nibbles(q)),
+    "mxfp4": lambda q: e2m1_decode(unpack_nibbles(q)),
+}
+
+SCALE_DECODE = {
+    "fp8": lambda s: s.float(),
+    "int8": lambda s: s.float(),
+    "int4": lambda s: s.float(),
+    "nvfp4": lambda s: s.float(),
+    "mxfp4": e8m0_decode,
+}
+
+# Elements per storage element of q along the last dimension.
+PACKING = {"fp8": 1, "int8": 1, "int4": 2, "nvfp4": 2, "mxfp4": 2}
+
+
+def dequantize(
+    q: torch.Tensor,
+    fmt: str,
+    group,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor | None = None,
+    zero: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Quantized [..., R, C / packing] -> float32 [..., R, C]. global_scale broadcasts per leading index
+    ([E] for weights, [1] for activations); zero (int4 only) defaults to 8 (symmetric)."""
+    values = DECODE[fmt](q)
+    rows, cols = values.shape[-2:]
+    if fmt == "int4":
+        z = expand_groups(zero.float(), group, rows, cols) if zero is not None else 8.0
+        values = values - z
+    out = values * expand_groups(SCALE_DECODE[fmt](scale), group, rows, cols)
+    if global_scale is not None:
+        out = out * broadcast_global(global_scale, out)
+    return out

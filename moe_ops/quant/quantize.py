@@ -1,0 +1,65 @@
+"""The activation quantization op and the matching dequantizer used by the reference GEMM.
+
+moe_ops::quantize(x [M, K], dtype, group, scale, global_scale) -> (q, scale):
+- fp8 (e4m3): per-tensor static (scale [1] given) or dynamic, per-token (group [1, -1]), per-token-group
+  (group [1, g], DeepSeek's 1x128): q float8_e4m3fn [M, K], scale float32 [1, 1] / [M, 1] / [M, K/g];
+- int8: per-token dynamic or per-tensor static: q int8 [M, K], scale float32 [M, 1] / [1, 1];
+- nvfp4: groups [1, 16] with the static float32 global scale [1] given: q uint8 [M, K/2] (packed
+  e2m1), scale float8_e4m3fn [M, K/16].
+"""
+from __future__ import annotations
+
+import torch
+
+from . import formats
+
+ACTIVATION_STORAGE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8, "nvfp4": torch.uint8}
+_SCALE_DTYPE = {"fp8": torch.float32, "int8": torch.float32, "nvfp4": torch.float8_e4m3fn}
+
+
+def _quantize_nvfp4(x, group, scale, global_scale):
+    return formats.quantize_nvfp4(x, global_scale)
+
+
+_QUANTIZERS = {
+    "fp8": lambda x, group, scale, global_scale: formats.quantize_fp8(x, group, scale),
+    "int8": lambda x, group, scale, global_scale: formats.quantize_int8(x, group, scale),
+    "nvfp4": _quantize_nvfp4,
+}
+
+
+@torch.library.custom_op("moe_ops::quantize", mutates_args=())
+def quantize(
+    x: torch.Tensor,
+    dtype: str,
+    group: list[int],
+    scale: torch.Tensor | None,
+    global_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference activation quantization; see the module docstring."""
+    group_t = (group[0], group[1])
+    static = scale.reshape(1, 1) if scale is not None else None
+    q, s = _QUANTIZERS[dtype](x, group_t, static, global_scale)
+    # A static scale comes back as a fresh tensor: custom ops may not return (aliases of) their inputs.
+    return q.contiguous(), s.to(_SCALE_DTYPE[dtype]).clone().contiguous()
+
+
+@quantize.register_fake
+def _quantize_fake(x, dtype, group, scale, global_scale):
+    m, k = x.shape
+    packing = 2 if dtype == "nvfp4" else 1
+    sr, sc = formats.scale_shape((group[0], group[1]), m, k)
+    return (
+        x.new_empty((m, k // packing), dtype=ACTIVATION_STORAGE[dtype]),
+        x.new_empty((sr, sc), dtype=_SCALE_DTYPE[dtype]),
+    )
+
+
+def dequantize_activation(
+    a: torch.Tensor, dtype: str, group: list[int], scale: torch.Tensor | None, global_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """Activations as stored ([M, K] or packed [M, K/2]) -> float32 [M, K]; dtype "none" means the
+    activations are not quantized."""
+    if dtype == "none":
+        return a.float()
+    return formats.dequantize(a, dtype, (group[0], group[1]), scale, global_scale)
