@@ -9,7 +9,10 @@ from .activation import ACTIVATIONS, Activation
 from .backends import support_table
 from .fused_experts import fused_experts
 from .quant import QuantConfig, QuantScheme
+from .integrations.transformers import install_hook as _install_transformers_hook
 from .routing import route
+
+_install_transformers_hook()
 
 __all__ = [
     "ACTIVATIONS",

@@ -1,0 +1,120 @@
+"""transformers (5.x) integration: the experts implementation "moe_ops" of transformers' ExpertsInterface.
+
+After `import moe_ops`, `from_pretrained(..., experts_implementation="moe_ops")` or
+`config._experts_implementation = "moe_ops"` runs every `@use_experts_implementation` experts module
+through moe_ops.fused_experts. The experts class's flags are honoured: concatenated or interleaved
+gate/up (is_concatenated), transposed weights (is_transposed: read as column-major views, no copy),
+biases (has_bias), has_gate, and its act_fn (or gpt-oss's clamped SwiGLU). Expert-parallel sentinel ids
+(>= num_experts) are dropped. Importing moe_ops does not import transformers: the implementation is
+registered when transformers.integrations.moe is first imported (or at once if it already was).
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+
+import torch
+
+from ..activation import Activation
+from ..fused_experts import fused_experts
+
+NAME = "moe_ops"
+_MODULE = "transformers.integrations.moe"
+
+# transformers activation classes (by name, so this file needs no transformers import) -> our kind.
+_ACT_FN = {
+    "SiLUActivation": "silu",
+    "SiLU": "silu",
+    "GELUActivation": "gelu",
+    "GELU": "gelu",
+    "PytorchGELUTanh": "gelu_tanh",
+    "GELUTanh": "gelu_tanh",
+    "NewGELUActivation": "gelu_tanh",
+    "GELUPytorchTanh": "gelu_tanh",
+    "ReLUSquaredActivation": "relu2",
+}
+
+
+def experts_activation(experts: torch.nn.Module) -> Activation:
+    """The moe_ops Activation equivalent to an experts module's gating, or NotImplementedError."""
+    cls = type(experts).__name__
+    interleaved = not getattr(experts, "is_concatenated", True)
+    if getattr(experts, "has_post_expert_norm", False):
+        raise NotImplementedError(f"{cls}: has_post_expert_norm is not supported by moe_ops")
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    default_gate = getattr(sys.modules.get(_MODULE), "_default_apply_gate", None)
+    if experts.has_gate and apply_gate is not None and apply_gate is not default_gate:
+        if hasattr(experts, "alpha") and hasattr(experts, "limit"):  # gpt-oss's clamped SwiGLU
+            return Activation("swigluoai", float(experts.alpha), float(experts.limit), interleaved=interleaved)
+        raise NotImplementedError(f"{cls}: its custom _apply_gate has no moe_ops equivalent")
+    act_name = type(getattr(experts, "act_fn", None)).__name__
+    kind = _ACT_FN.get(act_name)
+    if kind == "gelu" and getattr(experts.act_fn, "approximate", "none") == "tanh":
+        kind = "gelu_tanh"
+    if kind is None:
+        raise NotImplementedError(f"{cls}: activation {act_name} has no moe_ops equivalent; known: {', '.join(_ACT_FN)}")
+    if experts.has_gate == (kind == "relu2"):
+        raise NotImplementedError(f"{cls}: activation {kind} with has_gate={experts.has_gate} is not supported")
+    return Activation(kind, interleaved=interleaved) if kind != "relu2" else Activation(kind)
+
+
+def moe_ops_experts_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """ExpertsInterface forward: hidden_states [S, H], top_k_index [S, k], top_k_weights [S, k] -> [S, H]."""
+    up = self.gate_up_proj if self.has_gate else self.up_proj
+    # transformers stores transposed experts as [E, H, N]; a transposed view is [E, N, H] column-major.
+    w13 = up.transpose(1, 2) if self.is_transposed else up
+    w2 = self.down_proj.transpose(1, 2) if self.is_transposed else self.down_proj
+    b13 = b2 = None
+    if self.has_bias:
+        b13 = self.gate_up_proj_bias if self.has_gate else self.up_proj_bias
+        b2 = self.down_proj_bias
+    expert_map = None
+    ids = top_k_index
+    if getattr(self, "_is_expert_parallel", False):
+        # Sentinels (ids >= num_experts) point at one extra global slot mapped to -1: no work, no output.
+        ids = top_k_index.clamp(max=self.num_experts)
+        expert_map = torch.arange(self.num_experts + 1, device=ids.device, dtype=torch.int32)
+        expert_map[-1] = -1
+    out = fused_experts(
+        hidden_states.to(w13.dtype), w13, w2, top_k_weights.float(), ids,
+        activation=experts_activation(self), w13_bias=b13, w2_bias=b2, expert_map=expert_map,
+    )  # fmt: skip
+    return out.to(hidden_states.dtype)
+
+
+def register(module=None) -> None:
+    """Register "moe_ops" in transformers' ExpertsInterface (idempotent)."""
+    module = module or sys.modules[_MODULE]
+    module.ExpertsInterface.register(NAME, moe_ops_experts_forward)
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Registers moe_ops the moment transformers.integrations.moe finishes importing."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _MODULE:
+            return None
+        sys.meta_path.remove(self)  # find the real spec without finding ourselves
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_register(module):
+            exec_module(module)
+            register(module)
+
+        spec.loader.exec_module = exec_and_register
+        return spec
+
+
+def install_hook() -> None:
+    if _MODULE in sys.modules:
+        register()
+    elif importlib.util.find_spec("transformers") is not None and not any(
+        isinstance(f, _RegisterOnImport) for f in sys.meta_path
+    ):
+        sys.meta_path.insert(0, _RegisterOnImport())

@@ -1,0 +1,205 @@
+"""FusedMoE: an nn.Module holding a router and the expert weights in moe_ops' layout.
+
+w13 [E, 2I, H] = [gate; up] (or [E, I, H] without a gate), w2 [E, H, I]; for a quantized scheme
+the weights are stored as QuantConfig describes, with their scales as buffers of the same names
+(w13_scale, w2_scale, ...). forward(x [..., H]) routes each token and runs fused_experts.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from .activation import Activation, resolve_activation
+from .fused_experts import fused_experts
+from .quant.config import QuantConfig, quantize_weights
+from .quant.scheme import UNQUANTIZED, QuantScheme
+from .routing import route
+
+# Per-expert checkpoint names -> (which stacked tensor, which part of it).
+_EXPERT_PARTS = {
+    "gate_proj": ("w13", "gate"),
+    "w1": ("w13", "gate"),
+    "up_proj": ("w13", "up"),
+    "w3": ("w13", "up"),
+    "down_proj": ("w2", "down"),
+    "w2": ("w2", "down"),
+}
+_PER_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.(" + "|".join(_EXPERT_PARTS) + r")\.weight$")
+# Stacked 3-D names (moe_ops' own and transformers' fused experts) -> our tensor.
+_STACKED = {"w13": "w13", "gate_up_proj": "w13", "w2": "w2", "down_proj": "w2"}
+_ROUTER = {"gate.weight": "weight", "router.weight": "weight", "gate.bias": "bias", "router.bias": "bias"}
+_CONFIG_BUFFERS = (
+    "w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale", "w13_zero", "w2_zero",
+    "a13_scale", "a2_scale", "a13_global_scale", "a2_global_scale",
+)  # fmt: skip
+
+
+class FusedMoE(nn.Module):
+    """A MoE layer: router (nn.Linear H -> E) + top-k routing + experts through moe_ops.fused_experts.
+
+    Routing options are those of moe_ops.route; correction_bias adds DeepSeek-V3's
+    e_score_correction_bias buffer [E]; expert_bias adds w13_bias [E, 2I] and w2_bias [E, H];
+    quant_config is a QuantScheme (the tensors are the module's buffers). Weights start random.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        activation: str | Activation = "silu",
+        scoring: str = "softmax",
+        renormalize: bool = True,
+        num_expert_group: int | None = None,
+        topk_group: int | None = None,
+        routed_scaling_factor: float = 1.0,
+        correction_bias: bool = False,
+        expert_bias: bool = False,
+        quant_config: QuantScheme | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        for name, v in (("num_experts", num_experts), ("top_k", top_k), ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}: got {v!r}; allowed: an int >= 1")
+        if top_k > num_experts:
+            raise ValueError(f"top_k: got {top_k}; allowed: at most num_experts={num_experts}")
+        scheme = quant_config if quant_config is not None else UNQUANTIZED
+        if not isinstance(scheme, QuantScheme):
+            raise TypeError(f"quant_config: expected a moe_ops.QuantScheme or None, got {type(scheme).__name__}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.activation = resolve_activation(activation)
+        self.scheme = scheme
+        self.routing = dict(
+            scoring=scoring,
+            renormalize=renormalize,
+            num_expert_group=num_expert_group,
+            topk_group=topk_group,
+            routed_scaling_factor=routed_scaling_factor,
+        )
+        dtype = dtype or torch.get_default_dtype()
+        factory = dict(device=device, dtype=dtype)
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
+        self.n13 = (2 if self.activation.gated else 1) * intermediate_size
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(num_experts, device=device), requires_grad=False) if correction_bias else None
+        )
+        self.w13_bias = nn.Parameter(torch.zeros(num_experts, self.n13, **factory)) if expert_bias else None
+        self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden_size, **factory)) if expert_bias else None
+        w13 = torch.randn(num_experts, self.n13, hidden_size, device=device) / math.sqrt(hidden_size)
+        w2 = torch.randn(num_experts, hidden_size, intermediate_size, device=device) / math.sqrt(intermediate_size)
+        self._set_expert_weights(w13.to(dtype), w2.to(dtype), calibration=torch.randn(64, hidden_size, device=device))
+        route(torch.zeros(1, num_experts), top_k, **self.routing)  # validates the routing options now
+
+    def _set_expert_weights(self, w13: torch.Tensor, w2: torch.Tensor, calibration: torch.Tensor | None = None) -> None:
+        """Store float weights, quantizing them to the module's scheme."""
+        if self.scheme.weight is None:
+            self.w13 = nn.Parameter(w13, requires_grad=False)
+            self.w2 = nn.Parameter(w2, requires_grad=False)
+            return
+        cal = calibration if calibration is not None else getattr(self, "_calibration", None)
+        q13, q2, config = quantize_weights(self.scheme, w13, w2, calibration=cal)
+        self.register_buffer("w13", q13)
+        self.register_buffer("w2", q2)
+        for name in _CONFIG_BUFFERS:
+            self.register_buffer(name, getattr(config, name))
+        self._calibration = cal
+
+    def quant_config(self) -> QuantConfig:
+        """The QuantConfig of this layer's buffers (biases are passed separately)."""
+        if self.scheme.weight is None:
+            return QuantConfig(self.scheme)
+        return QuantConfig(self.scheme, **{name: getattr(self, name) for name in _CONFIG_BUFFERS})
+
+    def routing_for(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, H] -> (topk_weights float32 [M, k], topk_ids int32 [M, k]) from this layer's router."""
+        return route(self.router(x), self.top_k, e_score_correction_bias=self.e_score_correction_bias, **self.routing)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """x [..., H] -> [..., H]."""
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        topk_weights, topk_ids = self.routing_for(x)
+        out = fused_experts(
+            x, self.w13, self.w2, topk_weights, topk_ids,
+            activation=self.activation, quant_config=self.quant_config(),
+            w13_bias=self.w13_bias, w2_bias=self.w2_bias,
+        )  # fmt: skip
+        return out.reshape(shape)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load float checkpoint tensors (quantized on load for a quantized scheme).
+
+        Accepts per-expert names "...experts.<e>.<part>.weight" with part gate_proj/up_proj/down_proj
+        or w1/w3/w2 (Mixtral), every expert required; or stacked 3-D tensors "w13"/"gate_up_proj"
+        [E, 2I, H] and "w2"/"down_proj" [E, H, I] (any prefix); the router as "gate.weight" or
+        "router.weight"; "e_score_correction_bias". Unknown names raise ValueError.
+        """
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+        stacked: dict[str, torch.Tensor] = {}
+        for name, tensor in items:
+            if (m := _PER_EXPERT.search(name)) is not None:
+                per_expert.setdefault(_EXPERT_PARTS[m.group(2)], {})[int(m.group(1))] = tensor
+            elif (key := next((k for k in _STACKED if name == k or name.endswith("." + k)), None)) is not None:
+                stacked[_STACKED[key]] = tensor
+            elif (key := next((k for k in _ROUTER if name == k or name.endswith("." + k)), None)) is not None:
+                self._copy(f"router.{_ROUTER[key]}", getattr(self.router, _ROUTER[key]), tensor)
+            elif name.split(".")[-1] == "e_score_correction_bias" and self.e_score_correction_bias is not None:
+                self._copy(name, self.e_score_correction_bias, tensor)
+            else:
+                raise ValueError(f"weights: unknown name {name!r}; expected per-expert, stacked or router names (see load_weights)")
+        w13 = stacked.get("w13", self._stack(per_expert, "w13", ("gate", "up") if self.activation.gated else ("up",)))
+        w2 = stacked.get("w2", self._stack(per_expert, "w2", ("down",)))
+        if w13 is None and w2 is None:
+            return
+        current13, current2 = self.float_weights()
+        w13 = current13 if w13 is None else w13
+        w2 = current2 if w2 is None else w2
+        dtype = self.router.weight.dtype
+        for name, t, want in (("w13", w13, current13.shape), ("w2", w2, current2.shape)):
+            if tuple(t.shape) != tuple(want):
+                raise ValueError(f"weights[{name}]: expected shape {tuple(want)}, got {tuple(t.shape)}")
+        self._set_expert_weights(w13.to(device=current13.device, dtype=dtype), w2.to(device=current2.device, dtype=dtype))
+
+    def _stack(self, per_expert, which: str, parts: tuple[str, ...]) -> torch.Tensor | None:
+        found = [per_expert.get((which, p), {}) for p in parts]
+        if not any(found):
+            return None
+        for part, tensors in zip(parts, found):
+            missing = sorted(set(range(self.num_experts)) - set(tensors))
+            if missing:
+                raise ValueError(f"weights: {part} projection missing for experts {missing[:8]}{'...' if len(missing) > 8 else ''}")
+        return torch.stack([torch.cat([f[e] for f in found], dim=0) for e in range(self.num_experts)])
+
+    @staticmethod
+    def _copy(name: str, dest: torch.Tensor, src: torch.Tensor) -> None:
+        if tuple(dest.shape) != tuple(src.shape):
+            raise ValueError(f"weights[{name}]: expected shape {tuple(dest.shape)}, got {tuple(src.shape)}")
+        dest.copy_(src)
+
+    def float_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The expert weights in float32 (dequantized for a quantized scheme): w13 [E, n13, H], w2 [E, H, I]."""
+        from .quant.config import dequantize_weight
+
+        c = self.quant_config()
+        wq = self.scheme.weight
+        return (
+            dequantize_weight(self.w13, wq, c.w13_scale, c.w13_global_scale, c.w13_zero),
+            dequantize_weight(self.w2, wq, c.w2_scale, c.w2_global_scale, c.w2_zero),
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+            f"intermediate={self.intermediate_size}, activation={self.activation.kind}, scheme={self.scheme.name}"
+        )

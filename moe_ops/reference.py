@@ -1,0 +1,161 @@
+"""An independent float64 re-computation of a MoE layer, and the tolerances every check uses.
+
+This is a checker, not an op: it loops over experts on the host (syncs allowed) and shares no code with
+the ops it checks beyond the weight decoding the caller chooses to pass in (pass float64 weights
+that you dequantized yourself). Activation quantization can be re-applied in float64 so that schemes
+quantizing activations are checked tightly too.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# ||out - ref|| / ||ref|| allowed for the dtype the layer runs in ...
+DTYPE_TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+# ... plus this much for activation quantization when the reference does not re-apply it
+# (measured on random normal inputs: fp8 ~4e-2, int8 ~1.6e-2, nvfp4 ~1.6e-1) ...
+ACTIVATION_QUANT_TOLERANCE = {None: 0.0, "fp8": 8e-2, "int8": 3e-2, "nvfp4": 2.5e-1}
+# ... or this much when it does (an element may round to the neighbouring code at a tie).
+FAKE_QUANT_TOLERANCE = {None: 0.0, "fp8": 2e-3, "int8": 1e-3, "nvfp4": 1e-2}
+
+
+def tolerance(dtype: torch.dtype, activation_quant: str | None = None, fake_quant: bool = False) -> float:
+    """The allowed relative error of a layer in `dtype` whose activations are quantized to
+    `activation_quant` (None: not quantized), against moe_float64."""
+    table = FAKE_QUANT_TOLERANCE if fake_quant else ACTIVATION_QUANT_TOLERANCE
+    return DTYPE_TOLERANCE[dtype] + table[activation_quant]
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (NaN if out has a NaN; 0 for two empty tensors)."""
+    if ref.numel() == 0:
+        return 0.0
+    diff = (out.double().cpu() - ref.double().cpu()).norm().item()
+    return diff / max(ref.double().norm().item(), 1e-300)
+
+
+def _silu(x):
+    return x / (1 + torch.exp(-x))
+
+
+def _gelu(x):
+    return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def apply_activation(h: torch.Tensor, kind: str, alpha: float = 1.702, limit: float = 7.0, interleaved: bool = False):
+    """float64 [n, 2I] (or [n, I] for relu2) -> [n, I]."""
+    if kind == "relu2":
+        return torch.clamp(h, min=0) ** 2
+    gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=1)
+    if kind == "swigluoai":
+        gate = torch.clamp(gate, max=limit)
+        up = torch.clamp(up, -limit, limit)
+        return gate / (1 + torch.exp(-alpha * gate)) * (up + 1)
+    return {"silu": _silu, "gelu": _gelu, "gelu_tanh": _gelu_tanh}[kind](gate) * up
+
+
+def fake_quantize(x: torch.Tensor, dtype: str, group: tuple[int, int], scale=None, global_scale=None) -> torch.Tensor:
+    """float64 [M, K] -> the float64 values its quantization to `dtype` represents (independent of the ops)."""
+    m, k = x.shape
+    gr, gc = group
+    gr = m if gr == -1 else gr
+    gc = k if gc == -1 else gc
+    out = torch.empty_like(x)
+    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+    for r0 in range(0, m, max(gr, 1)):
+        for c0 in range(0, k, gc):
+            blk = x[r0 : r0 + gr, c0 : c0 + gc]
+            amax = blk.abs().max().item() if blk.numel() else 0.0
+            if dtype == "fp8":
+                s = scale.item() if scale is not None else max(amax / 448.0, 1e-12)
+                s32 = torch.tensor(s, dtype=torch.float32).item()
+                q = (blk.float() / s32).clamp(-448, 448).to(torch.float8_e4m3fn).double()
+                out[r0 : r0 + gr, c0 : c0 + gc] = q * s32
+            elif dtype == "int8":
+                s = scale.item() if scale is not None else max(amax / 127.0, 1e-12)
+                s32 = torch.tensor(s, dtype=torch.float32).item()
+                out[r0 : r0 + gr, c0 : c0 + gc] = torch.round(blk.float() / s32).clamp(-127, 127).double() * s32
+            elif dtype == "nvfp4":
+                g = global_scale.item()
+                bs = torch.tensor(amax / 6.0 / g).clamp(max=448).to(torch.float8_e4m3fn).double().item() * g
+                bs32 = torch.tensor(bs, dtype=torch.float32).item()
+                y = blk.float() / (bs32 if bs32 > 0 else 1.0)
+                nearest = (y.double().abs().unsqueeze(-1) - e2m1).abs()
+                # ties go to the larger magnitude, as the ops' encoder does
+                idx = (nearest - 1e-12 * torch.arange(8, dtype=torch.float64)).argmin(-1)
+                out[r0 : r0 + gr, c0 : c0 + gc] = torch.sign(y.double()) * e2m1[idx] * bs32
+            else:
+                raise ValueError(f"fake_quantize: dtype {dtype!r} not one of fp8, int8, nvfp4")
+    return out
+
+
+def moe_float64(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation="silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
+    act_quant=None,
+    intermediate_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """float64 [M, H] on the CPU: sum_j w[m, j] * (act(x_m @ w13[e].T + b13[e]) @ w2[e].T + b2[e]).
+
+    w13/w2 are float weights in the logical layout ([E, 2I, H], [E, H, I]); act_quant, if given, is
+    (dtype, group, a13_scale, a2_scale, a13_global_scale, a2_global_scale) and re-applies activation
+    quantization to each GEMM's input; intermediate_dtype rounds the GEMM1 output and the activation
+    output to that dtype, as a layer running in it stores them.
+    """
+    from .activation import resolve_activation
+
+    act = resolve_activation(activation)
+    x = hidden_states.detach().double().cpu()
+    w13, w2 = w13.detach().double().cpu(), w2.detach().double().cpu()
+    tw = topk_weights.detach().double().cpu()
+    ids = topk_ids.detach().long().cpu()
+    if apply_router_weight_on_input:
+        x = (x * tw).to(hidden_states.dtype).double() if hidden_states.dtype != torch.float64 else x * tw
+        tw = torch.ones_like(tw)
+    local = ids if expert_map is None else expert_map.long().cpu()[ids]
+
+    def rnd(t):
+        return t.to(intermediate_dtype).double() if intermediate_dtype is not None else t
+
+    if act_quant is not None:
+        qdtype, group, s13, s2, g13, g2 = act_quant
+        x = fake_quantize(x, qdtype, group, s13, g13)
+    # Stage 1 for every expert, then activation quantization over all rows at once (a per-tensor
+    # scale spans every expert's rows), then stage 2.
+    groups = []
+    for e in range(w13.shape[0]):
+        tok, slot = torch.nonzero(local == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = x[tok] @ w13[e].T
+        if w13_bias is not None:
+            h = h + w13_bias[e].double().cpu()
+        groups.append((e, tok, slot, rnd(apply_activation(rnd(h), act.kind, act.alpha, act.limit, act.interleaved))))
+    out = torch.zeros_like(x)
+    if not groups:
+        return out
+    a_all = torch.cat([g[3] for g in groups])
+    if act_quant is not None:
+        a_all = fake_quantize(a_all, qdtype, group, s2, g2)
+    start = 0
+    for e, tok, slot, a in groups:
+        y = a_all[start : start + len(tok)] @ w2[e].T
+        start += len(tok)
+        if w2_bias is not None:
+            y = y + w2_bias[e].double().cpu()
+        out.index_add_(0, tok, rnd(y) * tw[tok, slot].unsqueeze(1))
+    return out
