@@ -1,0 +1,195 @@
+"""explain(): compile with the pass and show what was fused, how it will run, and what was not and why."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Graph, Node
+
+from . import backend
+from .chains import op_args
+from .graph_pass import PassReport
+from .install import enabled
+
+_SYMBOL = re.compile(r"\b([su])\d+\b")
+_SHORT_DTYPE = {
+    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+    torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "b8",
+    torch.float8_e4m3fn: "f8e4m3",
+}  # fmt: skip
+
+
+class _Symbols:
+    """Renames symbolic sizes (s0, s27, u3 ...) to S0, S1, ... in order of first appearance, since
+    their numbering differs between runs and torch versions."""
+
+    def __init__(self):
+        self.names: dict[str, str] = {}
+
+    def __call__(self, text: str) -> str:
+        def rename(m):
+            return self.names.setdefault(m.group(0), f"S{len(self.names)}")
+
+        return _SYMBOL.sub(rename, text)
+
+
+def _target_name(target) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        ns, name = target.namespace, target._schema.name.split("::")[-1]
+        overload = target._overloadname
+        return f"{ns}.{name}" + ("" if overload == "default" else f".{overload}")
+    return getattr(target, "__name__", str(target))
+
+
+def _meta(value, sym: _Symbols) -> str:
+    if isinstance(value, torch.Tensor):
+        dims = ", ".join(sym(str(d)) for d in value.shape)
+        return f"{_SHORT_DTYPE.get(value.dtype, str(value.dtype))}[{dims}]"
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(_meta(v, sym) for v in value) + ")"
+    return sym(str(value)) if value is not None else "-"
+
+
+def normalize_graph(graph: Graph) -> str:
+    """One line per node, nodes renamed in order (inputs in0.., values v0..), targets as ns.op,
+    dtypes short, symbolic sizes renamed: stable across runs and torch versions."""
+    sym, names, lines = _Symbols(), {}, []
+    counts = {"placeholder": 0, "value": 0}
+
+    def arg(a):
+        if isinstance(a, Node):
+            return names[a]
+        if isinstance(a, (list, tuple)):
+            return "[" + ", ".join(arg(x) for x in a) + "]"
+        if isinstance(a, torch.dtype):
+            return _SHORT_DTYPE.get(a, str(a))
+        return sym(repr(a))
+
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            names[node] = f"in{counts['placeholder']}"
+            counts["placeholder"] += 1
+            lines.append(f"{names[node]}: {_meta(node.meta.get('val'), sym)}")
+        elif node.op == "output":
+            lines.append(f"return {arg(node.args[0])}")
+        else:
+            names[node] = f"v{counts['value']}"
+            counts["value"] += 1
+            call = ", ".join([arg(a) for a in node.args] + [f"{k}={arg(v)}" for k, v in node.kwargs.items()])
+            lines.append(f"{names[node]}: {_meta(node.meta.get('val'), sym)} = {_target_name(node.target)}({call})")
+    return "\n".join(lines)
+
+
+_CALL = re.compile(r"^(\w+(, \w+)* = )?torch\.ops\.moe_ops\.\w+\.\w+\(")
+_CODE_RULES = (
+    (re.compile(r"\bbuf\d+\b"), "buf#"),
+    (re.compile(r"\barg\d+_\d+\b"), "arg#"),
+    (re.compile(r"\b(cpp|triton)_(\w+?)_\d+\b"), r"\1_\2_#"),
+)
+
+
+def normalize_code_lines(sources: list[str]) -> list[str]:
+    """The lines of Inductor's output code that call moe_ops ops, with buffer and argument numbers,
+    kernel counters and symbolic sizes normalised."""
+    out = []
+    for src in sources:
+        sym = _Symbols()
+        for line in src.splitlines():
+            line = line.strip()
+            if not _CALL.match(line):
+                continue
+            for pattern, repl in _CODE_RULES:
+                line = pattern.sub(repl, line)
+            out.append(sym(line))
+    return out
+
+
+@dataclass
+class LayerRow:
+    layer: int
+    fused: str
+    recipe: str
+    dtypes: str
+    backend: str
+
+
+def _fake_args(node: Node) -> dict:
+    return {k: (v.meta.get("val") if isinstance(v, Node) else v) for k, v in op_args(node).items()}
+
+
+def _backend_text(op: str, args: dict, device) -> str:
+    recipe = getattr(backend, f"{op}_recipe")(args)
+    try:
+        choice = backend._choose(op, recipe, device)
+    except RuntimeError as e:  # require_kernels: say so instead of failing to explain
+        return f"{op}: none ({e})"
+    return f"{op}: {choice.backend} ({choice.reason})"
+
+
+def _recipe_text(gu: dict) -> str:
+    act = gu["activation"] + (f"(alpha={gu['alpha']}, limit={gu['limit']})" if gu["activation"] == "swigluoai" else "")
+    act += ", interleaved" if gu["interleaved"] else ""
+    quant_a = "none" if gu["a_dtype"] == "none" else f"{gu['a_dtype']} {list(gu['a_group'])}"
+    quant_w = "none" if gu["w_dtype"] == "none" else f"{gu['w_dtype']} {list(gu['w_group'])}"
+    requant = "none" if gu["out_quant_dtype"] == "none" else f"{gu['out_quant_dtype']} {list(gu['out_quant_group'])}"
+    return f"act={act}; a-quant={quant_a}; w-quant={quant_w}; re-quant={requant}; bias={'yes' if gu['bias'] is not None else 'no'}"
+
+
+def _rows(report: PassReport, start: int) -> list[LayerRow]:
+    rows = []
+    for f in report.fused:
+        gu, dr = _fake_args(f.gate_up), _fake_args(f.down_reduce)
+        device = gu["x"].device
+        dtypes = f"x {_SHORT_DTYPE.get(gu['x'].dtype)}, w {_SHORT_DTYPE.get(gu['w'].dtype)}, out {_SHORT_DTYPE.get(gu['out_dtype'])}"
+        backends = f"{_backend_text('gate_up', gu, device)}; {_backend_text('down_reduce', dr, device)}"
+        rows.append(LayerRow(start + len(rows), "gate_up + down_reduce", _recipe_text(gu), dtypes, backends))
+    for u in report.unfused:
+        rows.append(LayerRow(start + len(rows), "not fused", "-", "-", f"reason: {u.reason}"))
+    return rows
+
+
+@dataclass
+class Explanation:
+    """What the lowering did to a compiled function: per compiled graph the normalised post-pass FX
+    graph, one row per MoE layer, and the output-code lines that call moe_ops."""
+
+    graphs: list[str] = field(default_factory=list)
+    layers: list[LayerRow] = field(default_factory=list)
+    code_lines: list[str] = field(default_factory=list)
+
+    @property
+    def graph(self) -> str:
+        return "\n\n".join(self.graphs)
+
+    def table(self) -> str:
+        lines = ["| layer | fused ops | recipe | dtypes | backend / reason |", "|---|---|---|---|---|"]
+        lines += [f"| {r.layer} | {r.fused} | {r.recipe} | {r.dtypes} | {r.backend} |" for r in self.layers]
+        return "\n".join(lines)
+
+    def code(self) -> str:
+        return "\n".join(self.code_lines)
+
+    def __str__(self) -> str:
+        return f"{self.graph}\n\n{self.table()}"
+
+
+def explain(fn_or_module, *example_inputs, dynamic: bool = True, **compile_kwargs) -> Explanation:
+    """Compile fn_or_module(*example_inputs) with the MoE pass (fullgraph, dynamic by default) and
+    return the Explanation. The FX graph cache is bypassed here, so the pass always runs."""
+    from torch._inductor.utils import run_and_get_code
+
+    sink: list = []
+    compiled = torch.compile(fn_or_module, fullgraph=True, dynamic=dynamic, **compile_kwargs)
+    with enabled() as moe_pass, torch._inductor.config.patch(fx_graph_cache=False):
+        moe_pass.listeners.append(sink)
+        try:
+            with torch.no_grad():
+                _, sources = run_and_get_code(compiled, *example_inputs)
+        finally:
+            moe_pass.listeners.remove(sink)
+    out = Explanation(code_lines=normalize_code_lines(sources))
+    for graph, report in sink:
+        out.graphs.append(normalize_graph(graph))
+        out.layers += _rows(report, len(out.layers))
+    return out

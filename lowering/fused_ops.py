@@ -1,0 +1,144 @@
+"""The two fused ops the lowering puts in place of each MoE op chain.
+
+moe_ops::gate_up    = gather rows + [quantize] + grouped GEMM1 (+ bias) + activation + [re-quantize]
+    (x [M, H], ..., expert_offsets [E+1], gather_idx [P]) -> (intermediate [P, I'], scale)
+    where the intermediate is GEMM2's input: quantized storage (I' = I / packing) with its scales when
+    out_quant_dtype is not "none", else [P, I] in out_dtype with an empty float32 scale [0].
+moe_ops::down_reduce = grouped GEMM2 (+ bias) + router weight + reduction of each token's k rows
+    (intermediate [P, I'], ..., expert_offsets, topk_weights [M, k], inverse [P]) -> [M, H].
+
+Each carries its recipe as op arguments (activation kind and parameters, quantization dtypes and
+groups, bias presence), which is what cute_kernels specialises on. On the CPU (and on CUDA when no
+kernel serves the recipe) they run the composition of moe_ops' reference ops; backend.py decides.
+"""
+from __future__ import annotations
+
+import torch
+
+from moe_ops.activation import ACTIVATIONS
+from moe_ops.activation import activation as activation_op
+from moe_ops.gemm import grouped_gemm
+from moe_ops.quant.formats import scale_shape
+from moe_ops.quant.quantize import _SCALE_DTYPE, ACTIVATION_STORAGE, quantize
+from moe_ops.reduce import weighted_reduce
+
+from . import backend
+
+
+def _quantize_or_pass(x, dtype, group, scale, global_scale):
+    if dtype == "none":
+        return x, None
+    return quantize(x, dtype, group, scale, global_scale)
+
+
+def gate_up_reference(
+    x, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
+    bias, expert_offsets, gather_idx, activation, alpha, limit, interleaved,
+    out_quant_dtype, out_quant_group, out_scale, out_global_scale, out_dtype,
+):  # fmt: skip
+    """The reference composition of gate_up: the primitive ops in chain order."""
+    a, s = _quantize_or_pass(x, a_dtype, a_group, a_scale, a_global_scale)
+    h = grouped_gemm(
+        a, s, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
+        bias, expert_offsets, gather_idx, out_dtype,
+    )  # fmt: skip
+    h = activation_op(h, activation, alpha, limit, interleaved)
+    q, qs = _quantize_or_pass(h, out_quant_dtype, out_quant_group, out_scale, out_global_scale)
+    return q, (qs if qs is not None else h.new_empty((0,), dtype=torch.float32))
+
+
+@torch.library.custom_op("moe_ops::gate_up", mutates_args=())
+def gate_up(
+    x: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    a_global_scale: torch.Tensor | None,
+    a_dtype: str,
+    a_group: list[int],
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    w_global_scale: torch.Tensor | None,
+    w_zero: torch.Tensor | None,
+    w_dtype: str,
+    w_group: list[int],
+    bias: torch.Tensor | None,
+    expert_offsets: torch.Tensor,
+    gather_idx: torch.Tensor,
+    activation: str,
+    alpha: float,
+    limit: float,
+    interleaved: bool,
+    out_quant_dtype: str,
+    out_quant_group: list[int],
+    out_scale: torch.Tensor | None,
+    out_global_scale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused gather + [quantize] + GEMM1 + activation + [re-quantize]; see the module docstring."""
+    args = locals().copy()
+    choice = backend.choose_gate_up(args)
+    return choice.run(args) if choice.kernel is not None else gate_up_reference(**args)
+
+
+@gate_up.register_fake
+def _gate_up_fake(
+    x, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
+    bias, expert_offsets, gather_idx, activation, alpha, limit, interleaved,
+    out_quant_dtype, out_quant_group, out_scale, out_global_scale, out_dtype,
+):  # fmt: skip
+    rows = gather_idx.shape[0]
+    n = w.shape[1]
+    inter = n // 2 if ACTIVATIONS[activation][0] else n
+    if out_quant_dtype == "none":
+        return x.new_empty((rows, inter), dtype=out_dtype), x.new_empty((0,), dtype=torch.float32)
+    packing = 2 if out_quant_dtype == "nvfp4" else 1
+    sr, sc = scale_shape((out_quant_group[0], out_quant_group[1]), rows, inter)
+    return (
+        x.new_empty((rows, inter // packing), dtype=ACTIVATION_STORAGE[out_quant_dtype]),
+        x.new_empty((sr, sc), dtype=_SCALE_DTYPE[out_quant_dtype]),
+    )
+
+
+def down_reduce_reference(
+    a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
+    bias, expert_offsets, topk_weights, inverse, out_dtype,
+):  # fmt: skip
+    """The reference composition of down_reduce."""
+    y = grouped_gemm(
+        a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
+        bias, expert_offsets, None, out_dtype,
+    )  # fmt: skip
+    return weighted_reduce(y, topk_weights, inverse, expert_offsets)
+
+
+@torch.library.custom_op("moe_ops::down_reduce", mutates_args=())
+def down_reduce(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    a_global_scale: torch.Tensor | None,
+    a_dtype: str,
+    a_group: list[int],
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    w_global_scale: torch.Tensor | None,
+    w_zero: torch.Tensor | None,
+    w_dtype: str,
+    w_group: list[int],
+    bias: torch.Tensor | None,
+    expert_offsets: torch.Tensor,
+    topk_weights: torch.Tensor,
+    inverse: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Fused GEMM2 + router weight + per-token reduction; see the module docstring."""
+    args = locals().copy()
+    choice = backend.choose_down_reduce(args)
+    return choice.run(args) if choice.kernel is not None else down_reduce_reference(**args)
+
+
+@down_reduce.register_fake
+def _down_reduce_fake(
+    a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
+    bias, expert_offsets, topk_weights, inverse, out_dtype,
+):  # fmt: skip
+    torch._check(inverse.shape[0] == topk_weights.shape[0] * topk_weights.shape[1])
+    return a.new_empty((topk_weights.shape[0], w.shape[1]), dtype=out_dtype)

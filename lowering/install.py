@@ -1,0 +1,56 @@
+"""Installing the pass into Inductor's post_grad_custom_post_pass, composing with what is there."""
+from __future__ import annotations
+
+import contextlib
+
+from torch._inductor import config as inductor_config
+
+from . import backend
+from .graph_pass import MoEFusionPass
+
+_state: dict = {"pass": None, "previous": None, "require_kernels": None}
+
+
+def installed() -> MoEFusionPass | None:
+    """The installed pass, or None."""
+    current = inductor_config.post_grad_custom_post_pass
+    return current if isinstance(current, MoEFusionPass) and current is _state["pass"] else None
+
+
+def install(*, require_kernels: bool | None = None) -> MoEFusionPass:
+    """Install the MoE fusion pass (idempotent). A post_grad_custom_post_pass already set keeps running,
+    before ours. require_kernels: raise at run time when a CUDA call finds no CuTe DSL kernel for its
+    recipe instead of running the reference (None: leave the setting as it is)."""
+    if require_kernels is not None:
+        if _state["require_kernels"] is None:
+            _state["require_kernels"] = backend.REQUIRE_KERNELS["value"]
+        backend.REQUIRE_KERNELS["value"] = require_kernels
+    if installed() is not None:
+        return _state["pass"]
+    previous = inductor_config.post_grad_custom_post_pass
+    _state["previous"] = previous
+    _state["pass"] = MoEFusionPass(previous)
+    inductor_config.post_grad_custom_post_pass = _state["pass"]
+    return _state["pass"]
+
+
+def uninstall() -> None:
+    """Restore the post_grad_custom_post_pass that was set before install() (idempotent)."""
+    if installed() is not None:
+        inductor_config.post_grad_custom_post_pass = _state["previous"]
+    if _state["require_kernels"] is not None:
+        backend.REQUIRE_KERNELS["value"] = _state["require_kernels"]
+    _state.update(dict.fromkeys(_state))
+
+
+@contextlib.contextmanager
+def enabled(*, require_kernels: bool | None = None):
+    """Context manager: the pass is installed inside, and the previous state restored after (if the
+    pass was installed already, it stays installed)."""
+    was_installed = installed() is not None
+    install(require_kernels=require_kernels)
+    try:
+        yield _state["pass"]
+    finally:
+        if not was_installed:
+            uninstall()
