@@ -37,6 +37,14 @@ def op_args(node: Node) -> dict:
     return out
 
 
+def label(node: Node) -> str:
+    """A node as its op's name (aten.sum, moe_ops.activation), stable across torch versions, unlike node names."""
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return f"{t.namespace}.{t._schema.name.split('::')[-1]}"
+    return node.op if node.op in ("output", "placeholder") else getattr(t, "__name__", str(t))
+
+
 def is_op(node, name: str) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target == OPS[name]
 
@@ -78,7 +86,7 @@ def _input_of_gemm(gemm: Node, chain: Chain, slot: str):
         and act_in.args[0] is scale.args[0] and is_op(act_in.args[0], "quantize")
     )  # fmt: skip
     if not ok:
-        raise ValueError(f"{gemm.name}: its quantized input does not come from one moe_ops.quantize")
+        raise ValueError("a GEMM's quantized input does not come from one moe_ops.quantize")
     q = act_in.args[0]
     chain.getitems += [act_in, scale]
     setattr(chain, slot, q)
@@ -86,9 +94,9 @@ def _input_of_gemm(gemm: Node, chain: Chain, slot: str):
 
 
 def _only_users(node: Node, allowed: set[Node], what: str) -> None:
-    others = [u.name for u in node.users if u not in allowed]
+    others = [label(u) for u in node.users if u not in allowed]
     if others:
-        raise ValueError(f"{what} ({node.name}) has another user: {', '.join(others)}")
+        raise ValueError(f"{what} ({label(node)}) has another user: {', '.join(others)}")
 
 
 def match(reduce: Node) -> Chain:
@@ -99,19 +107,19 @@ def match(reduce: Node) -> Chain:
         raise ValueError("the reduced rows do not come from a moe_ops.grouped_gemm")
     g2 = op_args(gemm2)
     if g2["gather_idx"] is not None:
-        raise ValueError(f"{gemm2.name}: the second GEMM gathers tokens, so it is not a down projection")
+        raise ValueError("the second GEMM gathers tokens, so it is not a down projection")
     chain = Chain(reduce=reduce, gemm2=gemm2, act=None, gemm1=None)  # type: ignore[arg-type]
     act, _ = _input_of_gemm(gemm2, chain, "quant2")
     if not is_op(act, "activation"):
-        raise ValueError(f"{gemm2.name}: its input does not come from a moe_ops.activation")
+        raise ValueError("the second GEMM's input does not come from a moe_ops.activation")
     chain.act = act
     gemm1 = op_args(act)["x"]
     if not is_op(gemm1, "grouped_gemm"):
-        raise ValueError(f"{act.name}: its input does not come from a moe_ops.grouped_gemm")
+        raise ValueError("the activation's input does not come from a moe_ops.grouped_gemm")
     chain.gemm1 = gemm1
     g1 = op_args(gemm1)
     if g1["gather_idx"] is None:
-        raise ValueError(f"{gemm1.name}: the first GEMM does not gather tokens (no gather_idx)")
+        raise ValueError("the first GEMM does not gather tokens (no gather_idx)")
     if not (g1["expert_offsets"] is g2["expert_offsets"] is r["expert_offsets"]):
         raise ValueError("the GEMMs and the reduction use different expert_offsets")
     _input_of_gemm(gemm1, chain, "quant1")

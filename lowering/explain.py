@@ -8,6 +8,8 @@ import torch
 from torch.fx import Graph, Node
 
 from . import backend
+from moe_ops.quant.scheme import GroupShape
+
 from .chains import op_args
 from .graph_pass import PassReport
 from .install import enabled
@@ -22,16 +24,29 @@ _SHORT_DTYPE = {
 
 class _Symbols:
     """Renames symbolic sizes (s0, s27, u3 ...) to S0, S1, ... in order of first appearance, since
-    their numbering differs between runs and torch versions."""
+    their numbering differs between runs and torch versions. Expressions are rebuilt with the new
+    names before printing, so that products and sums print in an order that does not depend on the
+    old numbering."""
 
     def __init__(self):
         self.names: dict[str, str] = {}
 
-    def __call__(self, text: str) -> str:
-        def rename(m):
-            return self.names.setdefault(m.group(0), f"S{len(self.names)}")
+    def _name(self, old: str) -> str:
+        return self.names.setdefault(old, f"S{len(self.names)}")
 
-        return _SYMBOL.sub(rename, text)
+    def __call__(self, text: str) -> str:
+        return _SYMBOL.sub(lambda m: self._name(m.group(0)), text)
+
+    def expr(self, value) -> str:
+        if not isinstance(value, torch.SymInt):
+            return str(value)
+        import sympy
+
+        e = value.node.expr
+        old = sorted(e.free_symbols, key=lambda s: str(s))
+        for s in old:  # symbols seen in earlier nodes keep their names; new ones follow in text order
+            self._name(str(s))
+        return str(e.xreplace({s: sympy.Symbol(self.names[str(s)], integer=True, positive=True) for s in old}))
 
 
 def _target_name(target) -> str:
@@ -44,7 +59,7 @@ def _target_name(target) -> str:
 
 def _meta(value, sym: _Symbols) -> str:
     if isinstance(value, torch.Tensor):
-        dims = ", ".join(sym(str(d)) for d in value.shape)
+        dims = ", ".join(sym.expr(d) for d in value.shape)
         return f"{_SHORT_DTYPE.get(value.dtype, str(value.dtype))}[{dims}]"
     if isinstance(value, (list, tuple)):
         return "(" + ", ".join(_meta(v, sym) for v in value) + ")"
@@ -68,6 +83,10 @@ def normalize_graph(graph: Graph) -> str:
 
     for node in graph.nodes:
         if node.op == "placeholder":
+            if not isinstance(node.meta.get("val"), torch.Tensor):
+                # Symbolic-size inputs: their number and order vary with the torch version.
+                names[node] = sym(str(node.meta.get("val")))
+                continue
             names[node] = f"in{counts['placeholder']}"
             counts["placeholder"] += 1
             lines.append(f"{names[node]}: {_meta(node.meta.get('val'), sym)}")
@@ -127,12 +146,16 @@ def _backend_text(op: str, args: dict, device) -> str:
     return f"{op}: {choice.backend} ({choice.reason})"
 
 
+def _quant_text(dtype: str, group) -> str:
+    return "none" if dtype == "none" else f"{dtype} {GroupShape(*group)}"
+
+
 def _recipe_text(gu: dict) -> str:
     act = gu["activation"] + (f"(alpha={gu['alpha']}, limit={gu['limit']})" if gu["activation"] == "swigluoai" else "")
     act += ", interleaved" if gu["interleaved"] else ""
-    quant_a = "none" if gu["a_dtype"] == "none" else f"{gu['a_dtype']} {list(gu['a_group'])}"
-    quant_w = "none" if gu["w_dtype"] == "none" else f"{gu['w_dtype']} {list(gu['w_group'])}"
-    requant = "none" if gu["out_quant_dtype"] == "none" else f"{gu['out_quant_dtype']} {list(gu['out_quant_group'])}"
+    quant_a = _quant_text(gu["a_dtype"], gu["a_group"])
+    quant_w = _quant_text(gu["w_dtype"], gu["w_group"])
+    requant = _quant_text(gu["out_quant_dtype"], gu["out_quant_group"])
     return f"act={act}; a-quant={quant_a}; w-quant={quant_w}; re-quant={requant}; bias={'yes' if gu['bias'] is not None else 'no'}"
 
 

@@ -1,0 +1,147 @@
+"""Small MoE models for the lowering tests: each builds its weights and example inputs on the CPU."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import moe_ops
+from moe_ops import quant as Q
+from moe_ops.activation import activation as activation_op
+from moe_ops.gemm import grouped_gemm
+from moe_ops.plan import routing_plan
+from moe_ops.reduce import weighted_reduce
+
+
+class Experts(nn.Module):
+    """fused_experts over buffers (static shapes under dynamic=True, like a real model's parameters)."""
+
+    def __init__(self, w13, w2, activation="silu", config=None, w13_bias=None, w2_bias=None):
+        super().__init__()
+        self.register_buffer("w13", w13)
+        self.register_buffer("w2", w2)
+        self.activation = activation
+        self.tensors = {}
+        for name, t in (config.tensors() if config is not None else {}).items():
+            if t is not None:
+                self.register_buffer(name, t)
+                self.tensors[name] = name
+        self.scheme = config.scheme if config is not None else Q.UNQUANTIZED
+        self.register_buffer("b13", w13_bias)
+        self.register_buffer("b2", w2_bias)
+
+    def forward(self, x, topk_weights, topk_ids):
+        config = Q.QuantConfig(self.scheme, **{k: getattr(self, v) for k, v in self.tensors.items()})
+        return moe_ops.fused_experts(
+            x, self.w13, self.w2, topk_weights, topk_ids,
+            activation=self.activation, quant_config=config, w13_bias=self.b13, w2_bias=self.b2,
+        )  # fmt: skip
+
+
+def routing(m: int, e: int, k: int):
+    return moe_ops.route(torch.randn(m, e), k)
+
+
+def float_weights(e, h, i, dtype=torch.float32, gated=True):
+    w13 = torch.randn(e, (2 if gated else 1) * i, h) / h**0.5
+    w2 = torch.randn(e, h, i) / i**0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+def quantized(scheme, e=4, h=256, i=128, dtype=torch.float32):
+    w13, w2 = float_weights(e, h, i)
+    x = torch.randn(16, h)
+    q13, q2, config = Q.quantize_weights(scheme, w13, w2, calibration=x)
+    return Experts(q13, q2, config=config), h, e, dtype
+
+
+def case_bf16_swiglu():
+    w13, w2 = float_weights(4, 128, 64, torch.bfloat16)
+    return Experts(w13, w2), 128, 4, torch.bfloat16
+
+
+def case_fp8_block():
+    scheme = Q.QuantScheme(Q.ActivationQuant("fp8", Q.GroupShape(1, 128)), Q.WeightQuant("fp8", Q.GroupShape(128, 128)))
+    return quantized(scheme)
+
+
+def case_fp8_per_tensor():
+    scheme = Q.QuantScheme(Q.ActivationQuant("fp8", Q.PER_TENSOR), Q.WeightQuant("fp8", Q.PER_TENSOR))
+    return quantized(scheme)
+
+
+def case_int4_w4a16():
+    return quantized(Q.QuantScheme(None, Q.WeightQuant("int4", Q.GroupShape(1, 64), zero_point=True)))
+
+
+def case_gpt_oss():
+    w13, w2 = float_weights(4, 128, 64)
+    act = moe_ops.Activation("swigluoai", alpha=1.702, limit=7.0, interleaved=True)
+    b13, b2 = torch.randn(4, 128) / 10, torch.randn(4, 128) / 10
+    # gpt-oss checkpoints store [E, H, 2I]: a transposed view is column-major per expert.
+    w13 = w13.transpose(1, 2).contiguous().transpose(1, 2)
+    return Experts(w13, w2, activation=act, w13_bias=b13, w2_bias=b2), 128, 4, torch.float32
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Experts(*float_weights(4, 128, 64)) for _ in range(2))
+
+    def forward(self, x, topk_weights, topk_ids):
+        for layer in self.layers:
+            x = x + layer(x, topk_weights, topk_ids)
+        return x
+
+
+def case_two_layers():
+    return TwoLayers(), 128, 4, torch.float32
+
+
+class SecondUser(nn.Module):
+    """A chain written with the primitive ops whose activation output is also returned: not fusable."""
+
+    def __init__(self):
+        super().__init__()
+        w13, w2 = float_weights(4, 128, 64)
+        self.register_buffer("w13", w13)
+        self.register_buffer("w2", w2)
+
+    def forward(self, x, topk_weights, topk_ids):
+        offsets, gather_idx, inverse = routing_plan(topk_ids, 4, None)
+        none = [-1, -1]
+        h = grouped_gemm(x, None, None, "none", none, self.w13, None, None, None, "none", none, None, offsets, gather_idx, x.dtype)
+        a = activation_op(h, "silu", 1.702, 7.0, False)
+        y = grouped_gemm(a, None, None, "none", none, self.w2, None, None, None, "none", none, None, offsets, None, x.dtype)
+        return weighted_reduce(y, topk_weights, inverse, offsets), a.sum()
+
+
+def case_second_user():
+    return SecondUser(), 128, 4, torch.float32
+
+
+class Primitives(SecondUser):
+    """The same chain without the second user: written with the primitive ops, and fusable."""
+
+    def forward(self, x, topk_weights, topk_ids):
+        return super().forward(x, topk_weights, topk_ids)[0]
+
+
+def case_primitives():
+    return Primitives(), 128, 4, torch.float32
+
+
+CASES = {
+    "bf16_swiglu": case_bf16_swiglu,
+    "fp8_block": case_fp8_block,
+    "fp8_per_tensor": case_fp8_per_tensor,
+    "int4_w4a16": case_int4_w4a16,
+    "gpt_oss": case_gpt_oss,
+    "two_layers": case_two_layers,
+    "second_user": case_second_user,
+    "primitives": case_primitives,
+}
+
+
+def inputs(h: int, e: int, dtype, m: int = 7, k: int = 2):
+    topk_weights, topk_ids = routing(m, e, k)
+    return torch.randn(m, h).to(dtype), topk_weights, topk_ids
