@@ -35,37 +35,91 @@ def _cute_interface():
     return interface, ""
 
 
+def _contiguous(*tensors) -> bool:
+    return all(t is None or t.is_contiguous() for t in tensors)
+
+
+def _gate_layout(recipe: dict) -> str:
+    gated = recipe["activation"] != "relu2"
+    return ("interleaved" if recipe["interleaved"] else "concat") if gated else "none"
+
+
+def _run_gate_up(args: dict):
+    from cute_kernels import interface
+
+    out = interface.gate_up(
+        args["x"], args["w"], args["bias"], args["expert_offsets"], args["gather_idx"],
+        activation=args["activation"], alpha=args["alpha"], limit=args["limit"],
+        gate_layout=_gate_layout({"activation": args["activation"], "interleaved": args["interleaved"]}),
+    )  # fmt: skip
+    return out, out.new_empty((0,), dtype=torch.float32)
+
+
+def _run_down_reduce(args: dict):
+    from cute_kernels import interface
+
+    return interface.down_reduce(
+        args["a"], args["w"], args["bias"], args["expert_offsets"], args["topk_weights"], args["inverse"]
+    )
+
+
+_KERNELS = {"gate_up": _run_gate_up, "down_reduce": _run_down_reduce}
+
+
+def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
+    common = dict(
+        dtype=recipe["dtype"], weight_dtype=recipe["w_storage"], has_bias=recipe["has_bias"],
+        hidden=recipe["hidden"], intermediate=recipe["intermediate"], weight_row_major=recipe["w_row_major"],
+        quantized=recipe["quantized"],
+    )  # fmt: skip
+    if not recipe["contiguous"]:
+        return False, "a non-contiguous input; the kernels take contiguous tensors"
+    if op == "gate_up":
+        return interface.gate_up_support(activation=recipe["activation"], gate_layout=_gate_layout(recipe), **common)
+    return interface.down_reduce_support(**common)
+
+
 def _choose(op: str, recipe: dict, device: torch.device) -> Choice:
     if device.type != "cuda":
-        return Choice("reference", f"{device.type}: the CuTe DSL kernels run on CUDA GPUs (sm_90)")
-    interface, why = _cute_interface()
-    if interface is None:
-        choice = Choice("reference", why)
+        choice = Choice("reference", f"{device.type}: the CuTe DSL kernels run on CUDA GPUs (sm_90)")
     else:
-        kernel, reason = interface.find_kernel(op, recipe, device)
-        choice = Choice("cute", reason, kernel) if kernel is not None else Choice("reference", reason)
-    if choice.kernel is None and REQUIRE_KERNELS["value"]:
+        interface, why = _cute_interface()
+        ok = interface is not None
+        if ok:
+            ok, why = interface.device_support(device)
+        if ok:
+            ok, why = _support(op, recipe, interface)
+        choice = Choice("cute", why, _KERNELS[op]) if ok else Choice("reference", why)
+    if choice.kernel is None and device.type == "cuda" and REQUIRE_KERNELS["value"]:
         raise RuntimeError(f"moe_ops::{op}: no CuTe DSL kernel serves this recipe ({choice.reason}) and require_kernels is set")
     return choice
 
 
 def gate_up_recipe(args: dict) -> dict:
-    """The recipe of a gate_up call: everything but the tensors' values."""
+    """The recipe of a gate_up call: what the kernel choice depends on (never tensor values)."""
+    w = args["w"]
+    gated = args["activation"] != "relu2"
     return dict(
-        x_dtype=args["x"].dtype, w_storage=args["w"].dtype, out_dtype=args["out_dtype"],
+        dtype=args["x"].dtype, w_storage=w.dtype, out_dtype=args["out_dtype"],
         a_dtype=args["a_dtype"], a_group=tuple(args["a_group"]), w_dtype=args["w_dtype"], w_group=tuple(args["w_group"]),
         has_bias=args["bias"] is not None, activation=args["activation"], alpha=float(args["alpha"]),
         limit=float(args["limit"]), interleaved=bool(args["interleaved"]),
         out_quant_dtype=args["out_quant_dtype"], out_quant_group=tuple(args["out_quant_group"]),
-        w_row_major=args["w"].stride(2) == 1,
+        w_row_major=w.stride(2) == 1, hidden=args["x"].shape[1],
+        intermediate=w.shape[1] // 2 if gated else w.shape[1],
+        quantized=args["a_dtype"] != "none" or args["w_dtype"] != "none" or args["out_quant_dtype"] != "none",
+        contiguous=_contiguous(args["x"], w, args["bias"], args["expert_offsets"], args["gather_idx"]),
     )  # fmt: skip
 
 
 def down_reduce_recipe(args: dict) -> dict:
+    w = args["w"]
     return dict(
-        a_storage=args["a"].dtype, w_storage=args["w"].dtype, out_dtype=args["out_dtype"],
+        dtype=args["a"].dtype, w_storage=w.dtype, out_dtype=args["out_dtype"],
         a_dtype=args["a_dtype"], a_group=tuple(args["a_group"]), w_dtype=args["w_dtype"], w_group=tuple(args["w_group"]),
-        has_bias=args["bias"] is not None, w_row_major=args["w"].stride(2) == 1,
+        has_bias=args["bias"] is not None, w_row_major=w.stride(2) == 1, hidden=w.shape[1], intermediate=args["a"].shape[1],
+        quantized=args["a_dtype"] != "none" or args["w_dtype"] != "none",
+        contiguous=_contiguous(args["a"], w, args["bias"], args["expert_offsets"], args["topk_weights"], args["inverse"]),
     )  # fmt: skip
 
 

@@ -1,0 +1,13 @@
+"""cute_kernels: CuTe DSL (nvidia-cutlass-dsl) kernels for Hopper (sm_90a) behind the fused MoE ops.
+
+- moe_gemm.py: the persistent, warp-specialised grouped GEMM over experts (gathered or grouped A rows,
+  TMA weights, WGMMA, fused activation / bias epilogue);
+- weighted_reduce.py: the deterministic router-weighted reduction of each token's k rows;
+- compile.py: compile once, cache in memory and on disk;
+- interface.py: what callers use: support checks with reasons, and launchers taking torch tensors.
+This package imports nothing from moe_ops or lowering.
+"""
+import os
+
+# Compile for Hopper even on a machine without a GPU (the DSL's default target is sm_100a).
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")

@@ -1,0 +1,94 @@
+"""Compiling CuTe DSL kernels once, with an in-memory and an on-disk cache.
+
+A kernel variant is named by a key (the kernel, its recipe and tile configuration). The first use
+compiles it (for sm_90a; `CUTE_DSL_ARCH` is set to sm_90a when unset, so compiling works without a
+GPU) and exports it as an object file under the cache directory; later processes load that file in
+milliseconds instead of compiling. The disk key also hashes this package's sources and the DSL version,
+so editing a kernel invalidates its cached binaries. Launches never compile: callers compile on first
+use, which happens in eager warm-up before any CUDA-graph capture.
+
+Cache directory: $MOE_OPS_CUTE_CACHE, else ~/.cache/moe_ops/cute.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass.cute import AddressSpace  # noqa: E402
+from cutlass.cute.runtime import load_module, make_fake_stream, make_ptr  # noqa: E402
+
+_SOURCES = sorted(Path(__file__).parent.glob("*.py"))
+_memory: dict[str, object] = {}
+_lock = threading.Lock()
+# Seconds spent per key, for benchmarks and the compile-time report: (how, seconds).
+timings: dict[str, tuple[str, float]] = {}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MOE_OPS_CUTE_CACHE", Path.home() / ".cache" / "moe_ops" / "cute"))
+
+
+def _source_hash() -> str:
+    h = hashlib.sha256(cutlass.__version__.encode() if hasattr(cutlass, "__version__") else b"")
+    h.update(os.environ["CUTE_DSL_ARCH"].encode())
+    for path in _SOURCES:
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+_SOURCE_HASH = _source_hash()
+
+
+def fake_ptr(dtype) -> cute.Pointer:
+    """A 16-byte aligned global pointer for compiling (its value is never dereferenced)."""
+    return make_ptr(dtype, 1 << 20, AddressSpace.gmem, assumed_align=16)
+
+
+def fake_stream():
+    return make_fake_stream()
+
+
+def get(key: str, build: Callable[[], tuple[object, tuple]]):
+    """The compiled function for `key`; build() returns (jit callable, example args) to compile."""
+    fn = _memory.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _memory.get(key)
+        if fn is not None:
+            return fn
+        digest = hashlib.sha256(f"{_SOURCE_HASH}:{key}".encode()).hexdigest()[:24]
+        prefix = f"moe_{digest}"
+        path = cache_dir() / f"{prefix}.o"
+        start = time.perf_counter()
+        if path.exists():
+            fn = getattr(load_module(str(path)), prefix)
+            how = "disk"
+        else:
+            jit_fn, args = build()
+            fn = cute.compile(jit_fn, *args)
+            how = "compile"
+            _export(fn, path, prefix)
+        timings[key] = (how, time.perf_counter() - start)
+        _memory[key] = fn
+        return fn
+
+
+def _export(fn, path: Path, prefix: str) -> None:
+    """Write the object file atomically (a concurrent process may be writing the same key)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            fn.export_to_c(tmp, prefix, function_prefix=prefix)
+            os.replace(Path(tmp) / f"{prefix}.o", path)
+    except OSError:
+        pass  # a read-only cache only costs the next process a compile

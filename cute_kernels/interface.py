@@ -1,0 +1,183 @@
+"""The interface of cute_kernels: support checks (with the reason when a request cannot be served)
+and launchers that take torch tensors, compile on first use and launch on torch's current stream.
+
+gate_up(x [M, H], w [E, N, H], bias [E, N] | None, offsets [E+1], gather [P]) -> [P, I]
+    GEMM1 over the grouped rows, tokens gathered in the kernel, activation (and bias) in the epilogue.
+    N = 2I for gated activations ([gate; up] "concat" or "interleaved"), I for relu2.
+down_reduce(a [P, I], w [E, H, I], bias [E, H] | None, offsets, topk_weights [M, k], inverse [P]) -> [M, H]
+    GEMM2 over the grouped rows into a [P, H] scratch, then the deterministic weighted reduction.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import compile as cc  # noqa: F401  (sets the target architecture first)
+import cuda.bindings.driver as cuda  # noqa: E402
+import cutlass  # noqa: E402
+from cutlass import Int32  # noqa: E402
+from cutlass.cute import AddressSpace  # noqa: E402
+from cutlass.cute.runtime import make_ptr  # noqa: E402
+
+from .moe_gemm import Epilogue, MoeGemmSm90  # noqa: E402
+from .weighted_reduce import WeightedReduceSm90  # noqa: E402
+
+GATED = ("silu", "gelu", "gelu_tanh", "swigluoai")
+ACTIVATIONS = (*GATED, "relu2")
+_CUTLASS_DTYPE = {
+    torch.bfloat16: cutlass.BFloat16,
+    torch.float16: cutlass.Float16,
+    torch.float32: cutlass.Float32,
+    torch.int32: cutlass.Int32,
+}
+ALIGN = 64  # H and I must be multiples of this (the K tile; keeps every chunk and TMA box aligned)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_support(device: torch.device) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return False, f"{device.type}: the kernels run on CUDA GPUs"
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        return False, f"the kernels need Hopper (sm_90: wgmma, TMA); this device is sm_{cap[0]}{cap[1]}"
+    return True, "sm_90"
+
+
+def _common(dtype, weight_dtype, hidden, intermediate, weight_row_major, quantized) -> str | None:
+    """The reason shared by both GEMMs why the kernels cannot serve, or None."""
+    if quantized:
+        return "quantized schemes are not implemented in the CuTe DSL kernels yet (bf16/fp16 only)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"activations in {dtype}; the kernels take bf16 or fp16"
+    if weight_dtype != dtype:
+        return f"weights in {weight_dtype} with activations in {dtype}"
+    if not weight_row_major:
+        return "column-major (transposed) expert weights; the kernels read row-major [E, N, K] weights"
+    if hidden % ALIGN or intermediate % ALIGN:
+        return f"hidden={hidden} and intermediate={intermediate} must be multiples of {ALIGN}"
+    return None
+
+
+def gate_up_support(*, dtype, weight_dtype, activation, gate_layout, has_bias, hidden, intermediate,
+                    weight_row_major=True, quantized=False) -> tuple[bool, str]:  # fmt: skip
+    why = _common(dtype, weight_dtype, hidden, intermediate, weight_row_major, quantized)
+    if why is None and activation not in ACTIVATIONS:
+        why = f"activation {activation!r} is not one of {ACTIVATIONS}"
+    if why is None and (activation in GATED) != (gate_layout in ("concat", "interleaved")):
+        why = f"activation {activation!r} with gate layout {gate_layout!r}"
+    return (why is None), (why or "CuTe DSL grouped GEMM: gathered rows, TMA weights, WGMMA, fused activation")
+
+
+def down_reduce_support(*, dtype, weight_dtype, has_bias, hidden, intermediate,
+                        weight_row_major=True, quantized=False) -> tuple[bool, str]:  # fmt: skip
+    why = _common(dtype, weight_dtype, hidden, intermediate, weight_row_major, quantized)
+    return (why is None), (why or "CuTe DSL grouped GEMM + deterministic weighted reduction")
+
+
+def _ptr(t: torch.Tensor):
+    return make_ptr(_CUTLASS_DTYPE[t.dtype], t.data_ptr(), AddressSpace.gmem, assumed_align=16)
+
+
+def _stream(device: torch.device):
+    # torch's current stream: CUDA-graph capture and torch.compile's cudagraphs record it; a kernel
+    # launched on another stream silently escapes the graph.
+    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _gemm(epilogue: Epilogue, gather: bool, a_dtype, bias_dtype, sms: int, tile_n: int = 256):
+    key = f"moe_gemm:{epilogue}:gather={gather}:{a_dtype}:{bias_dtype}:tile_n={tile_n}:sms={sms}"
+
+    def build():
+        kernel = MoeGemmSm90(epilogue, tile_n=tile_n, gather=gather, num_sms=sms)
+        ad, bd = _CUTLASS_DTYPE[a_dtype], _CUTLASS_DTYPE[bias_dtype]
+        ptrs = [cc.fake_ptr(ad)] * 4 + [cc.fake_ptr(cutlass.Int32)] * 2 + [cc.fake_ptr(bd)]
+        return kernel, (*ptrs, *[Int32(64)] * 8, cc.fake_stream())
+
+    return cc.get(key, build)
+
+
+def _reduce(dtype):
+    def build():
+        d = _CUTLASS_DTYPE[dtype]
+        ptrs = (cc.fake_ptr(d), cc.fake_ptr(cutlass.Float32), cc.fake_ptr(cutlass.Int32), cc.fake_ptr(cutlass.Int32), cc.fake_ptr(d))
+        return WeightedReduceSm90(), (*ptrs, *[Int32(8)] * 4, cc.fake_stream())
+
+    return cc.get(f"weighted_reduce:{dtype}", build)
+
+
+def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride):
+    num_experts = offsets.shape[0] - 1
+    fn(
+        _ptr(a), _ptr(w_parts[0]), _ptr(w_parts[1]), _ptr(out), _ptr(offsets), _ptr(gather),
+        _ptr(bias if bias is not None else w_parts[0]),
+        Int32(a.shape[0]), Int32(a.shape[1]), Int32(n_part), Int32(num_experts), Int32(b_stride),
+        Int32(out.shape[0]), Int32(out.shape[1]), Int32(bias.shape[1] if bias is not None else 0),
+        _stream(a.device),
+    )  # fmt: skip
+
+
+def gate_up(x, w, bias, offsets, gather, *, activation: str, alpha: float, limit: float, gate_layout: str, out=None):
+    """[P, I] = act(x[gather] @ w[e].T + bias[e]) per expert; see the module docstring. Rows of
+    dropped pairs (at or past offsets[E]) are left unwritten. out: an optional [P, I] destination."""
+    num_experts, n, hidden = w.shape
+    inter = n // 2 if activation in GATED else n
+    if out is None:
+        out = torch.empty(gather.shape[0], inter, dtype=x.dtype, device=x.device)
+    if out.shape[0] == 0:
+        return out
+    epi = Epilogue(activation, gate_layout, float(alpha), float(limit), has_bias=bias is not None)
+    fn = _gemm(epi, True, x.dtype, bias.dtype if bias is not None else x.dtype, num_sms(x.device.index))
+    if gate_layout == "concat":
+        # The up rows of each expert start I rows after its gate rows; the kernel reads both as parts.
+        parts, n_part = (w, w[:, inter:]), inter
+    else:
+        parts, n_part = (w, w), n
+    _launch_gemm(fn, x, parts, out, offsets, gather, bias, n_part, n * hidden)
+    return out
+
+
+def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None):
+    """[M, H] = sum_j topk_weights[m, j] * (a[inverse[m*k+j]] @ w[e].T + bias[e]); see the module
+    docstring. Every element of the output is written. out: an optional [M, H] destination."""
+    num_experts, hidden, inter = w.shape
+    m, k = topk_weights.shape
+    if out is None:
+        out = torch.empty(m, hidden, dtype=a.dtype, device=a.device)
+    if m == 0:
+        return out
+    y = torch.empty(a.shape[0], hidden, dtype=a.dtype, device=a.device)
+    epi = Epilogue("none", "none", has_bias=bias is not None)
+    fn = _gemm(epi, False, a.dtype, bias.dtype if bias is not None else a.dtype, num_sms(a.device.index))
+    _launch_gemm(fn, a, (w, w), y, offsets, offsets, bias, hidden, hidden * inter)
+    _reduce(a.dtype)(
+        _ptr(y), _ptr(topk_weights), _ptr(inverse), _ptr(offsets), _ptr(out),
+        Int32(m), Int32(k), Int32(hidden), Int32(num_experts), _stream(a.device),
+    )  # fmt: skip
+    return out
+
+
+def variants(dtype=torch.bfloat16, bias_dtypes=(None,)):
+    """Every (epilogue, gather, bias dtype) the fused ops can request for activations in `dtype`."""
+    out = []
+    for bias in bias_dtypes:
+        for act in ACTIVATIONS:
+            for layout in (("concat", "interleaved") if act in GATED else ("none",)):
+                out.append((Epilogue(act, layout, has_bias=bias is not None), True, bias or dtype))
+        out.append((Epilogue("none", "none", has_bias=bias is not None), False, bias or dtype))
+    return out
+
+
+def precompile(dtype=torch.bfloat16, sms: int | None = None, bias_dtypes=(None,)) -> dict[str, tuple[str, float]]:
+    """Compile (or load from the disk cache) every kernel variant for activations in `dtype`, for a
+    GPU with `sms` multiprocessors (default: the current device's). Works without a GPU when sms is
+    given. Returns {key: (compile or disk, seconds)}."""
+    sms = sms if sms is not None else num_sms(torch.cuda.current_device())
+    for epi, gather, bias_dtype in variants(dtype, bias_dtypes):
+        _gemm(epi, gather, dtype, bias_dtype, sms)
+    _reduce(dtype)
+    return dict(cc.timings)

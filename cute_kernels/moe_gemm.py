@@ -1,0 +1,410 @@
+"""The MoE grouped GEMM for Hopper (sm_90a) in the CuTe DSL: one kernel, specialised per recipe.
+
+    C[r, :] = epilogue(A[src(r), :] @ B[e(r)].T)   for every grouped row r of every expert e,
+
+where the rows of expert e are [offsets[e], offsets[e+1]) (device memory; the kernel reads them, the
+host never does) and src(r) = gather[r] (GEMM1 reads tokens) or r (GEMM2 reads its own rows).
+
+Structure (warp-specialised, persistent):
+- warpgroup 0 produces: its 128 threads gather A rows with cp.async (16-byte chunks, any row order,
+  no gathered copy of the activations in memory) and one thread loads B (the expert's weights) with
+  TMA, into a ring of `stages` shared-memory buffers. A and B have one pipeline each (mbarriers;
+  cp.async completion arrives through cp.async.mbarrier.arrive, TMA through transaction bytes);
+  both advance in lockstep.
+- warpgroups 1 and 2 consume: each multiplies 64 of the tile's 128 rows with WGMMA (fp32
+  accumulators), then runs the epilogue and stores its rows straight from registers, masked to the
+  rows of the current expert, so partial tiles never write into the next expert's rows.
+- Every warpgroup walks the same sequence of work tiles: tile t = blockIdx.x, then + gridDim.x, ...;
+  tiles are numbered expert by expert, and within an expert M-tile fastest, so CTAs running at the
+  same time share the expert's weight tile in L2. The walk reads the offsets as it goes, so experts
+  with no rows (and pairs dropped by expert_map, sorted past offsets[E]) cost nothing.
+
+B parts: a gated activation with w13 = [gate; up] loads the gate rows and the up rows of the same
+output columns as two parts with two accumulators, so the epilogue combines act(gate) * up within
+each thread; interleaved gate/up (gpt-oss) is one part whose adjacent columns pair up in the same
+thread's registers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import SmemAllocator
+
+SMEM_CAPACITY = 232448  # sm_90: 227 KB per block
+_LOG2E = 1.4426950408889634
+_SQRT_2_OVER_PI = 0.7978845608028654
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What the epilogue does to each accumulator row before storing it.
+    activation: "none" (store), or a gated kind (silu, gelu, gelu_tanh, swigluoai), or relu2.
+    gate_layout: "concat" ([gate; up] as two B parts), "interleaved" (pairs of columns) or "none"."""
+
+    activation: str = "none"
+    gate_layout: str = "none"
+    alpha: float = 1.702
+    limit: float = 7.0
+    has_bias: bool = False
+
+    def __post_init__(self):
+        gated = self.activation in ("silu", "gelu", "gelu_tanh", "swigluoai")
+        if gated != (self.gate_layout in ("concat", "interleaved")):
+            raise ValueError(f"Epilogue: activation {self.activation!r} does not go with gate_layout {self.gate_layout!r}")
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + cute.math.exp2(-x * _LOG2E, fastmath=True))
+
+
+def _gated(kind: str, g, u, alpha: float, limit: float):
+    """act(gate) * up in float32 (trace-time dispatch on kind)."""
+    if const_expr(kind == "silu"):
+        return g * _sigmoid(g) * u
+    if const_expr(kind == "gelu"):
+        return 0.5 * g * (1.0 + cute.math.erf(g * 0.7071067811865476)) * u
+    if const_expr(kind == "gelu_tanh"):
+        return 0.5 * g * (1.0 + cute.math.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g * g * g))) * u
+    # swigluoai: gate clamped from above, up on both sides, plus one.
+    gc = cute.arch.fmin(g, Float32(limit))
+    uc = cute.arch.fmax(cute.arch.fmin(u, Float32(limit)), Float32(-limit))
+    return gc * _sigmoid(gc * alpha) * (uc + 1.0)
+
+
+class MoeGemmSm90:
+    """See the module docstring. tile_n: B rows per tile over all parts (128 or 256)."""
+
+    tile_m = 128
+    tile_k = 64
+    num_consumer_wgs = 2
+    threads = 128 * (1 + num_consumer_wgs)
+    # After setmaxnreg the warpgroups must fit the 64K-register file together:
+    # 128 * 56 + 256 * 224 = 64512 (an increase that does not fit blocks forever).
+    producer_regs = 56
+    consumer_regs = 224
+
+    def __init__(self, epilogue: Epilogue, *, tile_n: int = 256, gather: bool, num_sms: int = 132, stages: int | None = None):
+        if 128 * (self.producer_regs + self.num_consumer_wgs * self.consumer_regs) > 65536:
+            raise ValueError("producer and consumer register budgets exceed the 64K-register file")
+        self.epi = epilogue
+        self.gather = gather
+        self.num_sms = num_sms
+        self.num_parts = 2 if epilogue.gate_layout == "concat" else 1
+        self.part_n = tile_n // self.num_parts
+        if self.part_n not in (64, 128, 256):
+            raise ValueError(f"tile_n={tile_n} gives {self.part_n} rows per B part; allowed: 64, 128, 256")
+        # Output columns per tile.
+        self.out_n = self.part_n // 2 if epilogue.gate_layout == "interleaved" else self.part_n
+        # 16-bit operands: A tile + B parts per stage; the rest of shared memory is barriers.
+        stage_bytes = (self.tile_m + self.num_parts * self.part_n) * self.tile_k * 2
+        self.num_stages = stages if stages is not None else min(8, (SMEM_CAPACITY - 4096) // stage_bytes)
+
+    # ---- host side -------------------------------------------------------------------------------
+
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,  # A (rows_a, K), row-major
+        b0_ptr: cute.Pointer,  # B part 0 (N_part, K) per expert, row-major, experts b_stride apart
+        b1_ptr: cute.Pointer,  # B part 1 (the up rows), or b0_ptr again with one part
+        c_ptr: cute.Pointer,  # C (P, N_out), row-major
+        offsets_ptr: cute.Pointer,  # (E + 1,) int32
+        gather_ptr: cute.Pointer,  # (P,) int32; read only when gather
+        bias_ptr: cute.Pointer,  # (E, N) bias rows; read only with has_bias
+        rows_a: Int32,
+        k: Int32,
+        n_part: Int32,
+        num_experts: Int32,
+        b_stride: Int32,  # elements between experts in B
+        rows_c: Int32,
+        n_out: Int32,
+        bias_stride: Int32,
+        stream: cuda.CUstream,
+    ):
+        # Shapes the kernel relies on (checked by the caller): K and the B/C rows are multiples of
+        # 64 elements, so every 16-byte chunk and TMA box is aligned.
+        k = cute.assume(k, divby=64)
+        b_stride = cute.assume(b_stride, divby=64)
+        mA = cute.make_tensor(a_ptr, cute.make_layout((rows_a, k), stride=(k, 1)))
+        mB0 = cute.make_tensor(b0_ptr, cute.make_layout((n_part, k, num_experts), stride=(k, 1, b_stride)))
+        mB1 = cute.make_tensor(b1_ptr, cute.make_layout((n_part, k, num_experts), stride=(k, 1, b_stride)))
+        mC = cute.make_tensor(c_ptr, cute.make_layout((rows_c, n_out), stride=(n_out, 1)))
+        mOffsets = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
+        mGather = cute.make_tensor(gather_ptr, cute.make_layout((rows_c,)))
+        mBias = cute.make_tensor(bias_ptr, cute.make_layout((num_experts, bias_stride), stride=(bias_stride, 1)))
+        dtype = mA.element_type
+        stages = self.num_stages
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            (self.num_consumer_wgs, 1, 1), tiler_mn=(64, self.part_n),
+        )  # fmt: skip
+        a_atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dtype, self.tile_k), dtype
+        )
+        b_atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dtype, self.tile_k), dtype
+        )
+        sA_layout = cute.tile_to_shape(a_atom, (self.tile_m, self.tile_k, stages), order=(0, 1, 2))
+        sB_layout = cute.tile_to_shape(b_atom, (self.part_n, self.tile_k, stages), order=(0, 1, 2))
+        sB_one = cute.slice_(sB_layout, (None, None, 0))
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_b0, gB0 = cpasync.make_tiled_tma_atom(tma_op, mB0, sB_one, (self.part_n, self.tile_k))
+        tma_b1, gB1 = cpasync.make_tiled_tma_atom(tma_op, mB1, sB_one, (self.part_n, self.tile_k))
+        self.b_bytes = self.num_parts * cute.size_in_bytes(dtype, sB_one)
+
+        @cute.struct
+        class Storage:
+            bar_a: cute.struct.MemRange[cutlass.Int64, stages * 2]
+            bar_b: cute.struct.MemRange[cutlass.Int64, stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sA_layout)], 1024]
+            sB0: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout)], 1024]
+            sB1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout) * (self.num_parts - 1) + 8], 1024]
+
+        self.storage = Storage
+        self.kernel(
+            self.tiled_mma, tma_b0, gB0, tma_b1, gB1, mA, mC, mOffsets, mGather, mBias, sA_layout, sB_layout,
+        ).launch(grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream)  # fmt: skip
+
+    # ---- device side -----------------------------------------------------------------------------
+
+    @cute.jit
+    def _expert_tiles(self, mOffsets: cute.Tensor, e: Int32, n_tiles: Int32) -> Int32:
+        rows = mOffsets[e + 1] - mOffsets[e]
+        return (rows + self.tile_m - 1) // self.tile_m * n_tiles
+
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        tma_b0: cute.CopyAtom,
+        gB0_full: cute.Tensor,
+        tma_b1: cute.CopyAtom,
+        gB1_full: cute.Tensor,
+        mA: cute.Tensor,
+        mC: cute.Tensor,
+        mOffsets: cute.Tensor,
+        mGather: cute.Tensor,
+        mBias: cute.Tensor,
+        sA_layout: cute.ComposedLayout,
+        sB_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_b0)
+            if const_expr(self.num_parts == 2):
+                cpasync.prefetch_descriptor(tma_b1)
+
+        storage = SmemAllocator().allocate(self.storage)
+        stages = self.num_stages
+        pipe_b = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bar_b.data_ptr(),
+            num_stages=stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs * 4),
+            tx_count=self.b_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        pipe_a = pipeline.PipelineCpAsync.create(
+            barrier_storage=storage.bar_a.data_ptr(),
+            num_stages=stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_consumer_wgs),
+            defer_sync=True,
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB0 = storage.sB0.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        sB1 = sB0
+        if const_expr(self.num_parts == 2):
+            sB1 = storage.sB1.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+
+        num_experts = mOffsets.shape[0] - 1
+        k_dim = mA.shape[1]
+        n_out = mC.shape[1]
+        k_tiles = (k_dim + self.tile_k - 1) // self.tile_k
+        n_tiles = (n_out + self.out_n - 1) // self.out_n
+        grid = cute.arch.grid_dim()[0]
+
+        if wg_idx == 0:
+            # ------------------------------- producer ---------------------------------------------
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            # B: TMA partitions of the (part_n, tile_k) tiles of every (n, k, expert).
+            gB0 = cute.local_tile(gB0_full, (self.part_n, self.tile_k), (None, None, None))
+            tBsB0, tBgB0 = cpasync.tma_partition(
+                tma_b0, 0, cute.make_layout(1), cute.group_modes(sB0, 0, 2), cute.group_modes(gB0, 0, 2)
+            )
+            gB1 = cute.local_tile(gB1_full, (self.part_n, self.tile_k), (None, None, None))
+            tBsB1, tBgB1 = cpasync.tma_partition(
+                tma_b1, 0, cute.make_layout(1), cute.group_modes(sB1, 0, 2), cute.group_modes(gB1, 0, 2)
+            )
+            # A: each thread copies 16-byte chunk (tidx % 8) of rows tidx // 8 + 16 i, i < 8.
+            copy_atom = cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), mA.element_type, num_bits_per_copy=128
+            )
+            tiled_copy = cute.make_tiled_copy_tv(
+                copy_atom, cute.make_layout((16, 8), stride=(8, 1)), cute.make_layout((1, 8))
+            )
+            thr_copy = tiled_copy.get_slice(tidx)
+            tAsA = thr_copy.partition_D(sA)  # ((8), 8, 1, stages)
+            chunk = tidx % 8
+            row_in = tidx // 8
+            rows_per_thread = self.tile_m // 16
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+            state_b = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+            src = cute.make_rmem_tensor(rows_per_thread, Int32)
+
+            tile = cute.arch.block_idx()[0]
+            e = Int32(0)
+            base = Int32(0)
+            e_tiles = self._expert_tiles(mOffsets, e, n_tiles)
+            while e < num_experts:
+                if tile < base + e_tiles:
+                    local = tile - base
+                    m_tiles = e_tiles // n_tiles
+                    m_tile = local % m_tiles
+                    n_tile = local // m_tiles
+                    row0 = mOffsets[e] + m_tile * self.tile_m
+                    rows_left = mOffsets[e + 1] - row0
+                    for i in cutlass.range_constexpr(rows_per_thread):
+                        r = row_in + 16 * i
+                        src[i] = -1
+                        if r < rows_left:
+                            if const_expr(self.gather):
+                                src[i] = mGather[row0 + r]
+                            else:
+                                src[i] = row0 + r
+                    for kt in range(k_tiles):
+                        pipe_a.producer_acquire(state)
+                        if warp_idx == 0:
+                            pipe_b.producer_acquire(state_b)
+                            bar = pipe_b.producer_get_barrier(state_b)
+                            cute.copy(tma_b0, tBgB0[(None, n_tile, kt, e)], tBsB0[(None, state_b.index)], tma_bar_ptr=bar)
+                            if const_expr(self.num_parts == 2):
+                                cute.copy(tma_b1, tBgB1[(None, n_tile, kt, e)], tBsB1[(None, state_b.index)], tma_bar_ptr=bar)
+                        for i in cutlass.range_constexpr(rows_per_thread):
+                            if src[i] >= 0:
+                                g_chunk = cute.local_tile(mA[src[i], None], (8,), (kt * 8 + chunk,))
+                                cute.copy(copy_atom, g_chunk, tAsA[(None, i, 0, state.index)])
+                        pipe_a.producer_commit(state)
+                        state.advance()
+                        state_b.advance()
+                    tile += grid
+                else:
+                    base += e_tiles
+                    e += 1
+                    if e < num_experts:
+                        e_tiles = self._expert_tiles(mOffsets, e, n_tiles)
+            pipe_a.producer_tail(state)
+            if warp_idx == 0:
+                pipe_b.producer_tail(state_b)
+        else:
+            # ------------------------------- consumers --------------------------------------------
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            ctid = tidx - 128
+            thr_mma = tiled_mma.get_slice(ctid)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB0 = tiled_mma.make_fragment_B(thr_mma.partition_B(sB0))
+            tCrB1 = tiled_mma.make_fragment_B(thr_mma.partition_B(sB1))
+            cC = cute.make_identity_tensor((self.tile_m, self.part_n))
+            tCcC = thr_mma.partition_C(cC)
+            acc0 = cute.make_rmem_tensor(tCcC.shape, Float32)
+            acc1 = cute.make_rmem_tensor(tCcC.shape, Float32)
+            num_k_blocks = cute.size(tCrA, mode=[2])
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+
+            tile = cute.arch.block_idx()[0]
+            e = Int32(0)
+            base = Int32(0)
+            e_tiles = self._expert_tiles(mOffsets, e, n_tiles)
+            while e < num_experts:
+                if tile < base + e_tiles:
+                    local = tile - base
+                    m_tiles = e_tiles // n_tiles
+                    m_tile = local % m_tiles
+                    n_tile = local // m_tiles
+                    row0 = mOffsets[e] + m_tile * self.tile_m
+                    rows_left = mOffsets[e + 1] - row0
+
+                    acc0.fill(0.0)
+                    if const_expr(self.num_parts == 2):
+                        acc1.fill(0.0)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.fence()
+                    for kt in range(k_tiles):
+                        pipe_a.consumer_wait(read)
+                        pipe_b.consumer_wait(read)
+                        for kb in cutlass.range_constexpr(num_k_blocks):
+                            coord = (None, None, kb, read.index)
+                            cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
+                            if const_expr(self.num_parts == 2):
+                                cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
+                        warpgroup.commit_group()
+                        # Keep one k-tile of WGMMAs in flight; free the buffer of the one before it.
+                        warpgroup.wait_group(1)
+                        if kt > 0:
+                            pipe_a.consumer_release(release)
+                            pipe_b.consumer_release(release)
+                            release.advance()
+                        read.advance()
+                    warpgroup.wait_group(0)
+                    if k_tiles > 0:
+                        pipe_a.consumer_release(release)
+                        pipe_b.consumer_release(release)
+                        release.advance()
+                    self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out)
+                    tile += grid
+                else:
+                    base += e_tiles
+                    e += 1
+                    if e < num_experts:
+                        e_tiles = self._expert_tiles(mOffsets, e, n_tiles)
+
+    @cute.jit
+    def _epilogue(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out):
+        """Apply the recipe's epilogue to this thread's accumulators and store its elements of rows
+        < rows_left and columns < n_out (row0 and col0: the tile's first output row and column)."""
+        epi = self.epi
+        out_dtype = mC.element_type
+        if const_expr(epi.gate_layout == "interleaved"):
+            # Fragment elements 2j and 2j+1 are adjacent columns (gate, up) of one row.
+            for j in cutlass.range_constexpr(cute.size(acc0) // 2):
+                m, n = tCcC[2 * j]
+                col = col0 + n // 2
+                if m < rows_left and col < n_out:
+                    g = acc0[2 * j]
+                    u = acc0[2 * j + 1]
+                    if const_expr(epi.has_bias):
+                        g = g + mBias[e, 2 * col].to(Float32)
+                        u = u + mBias[e, 2 * col + 1].to(Float32)
+                    mC[row0 + m, col] = _gated(epi.activation, g, u, epi.alpha, epi.limit).to(out_dtype)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc0)):
+                m, n = tCcC[i]
+                col = col0 + n
+                if m < rows_left and col < n_out:
+                    y = acc0[i]
+                    if const_expr(epi.has_bias):
+                        y = y + mBias[e, col].to(Float32)
+                    if const_expr(epi.gate_layout == "concat"):
+                        u = acc1[i]
+                        if const_expr(epi.has_bias):
+                            u = u + mBias[e, n_out + col].to(Float32)
+                        y = _gated(epi.activation, y, u, epi.alpha, epi.limit)
+                    elif const_expr(epi.activation == "relu2"):
+                        y = cute.arch.fmax(y, Float32(0.0))
+                        y = y * y
+                    mC[row0 + m, col] = y.to(out_dtype)
