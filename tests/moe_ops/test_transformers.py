@@ -1,0 +1,297 @@
+"""The transformers integration: the experts implementation "moe_ops" gives the same logits (and the
+same experts outputs) as transformers' eager experts for tiny random Mixtral, Qwen3-MoE and gpt-oss
+models, through every way of selecting it, compiled too; importing moe_ops does not import
+transformers."""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import moe_ops  # noqa: E402
+from moe_ops.reference import relative_error, tolerance  # noqa: E402
+
+INTEGRATION = importlib.import_module("moe_ops.integrations.transformers")
+TOL = tolerance(torch.float32) * 10
+LAYERS = 2
+COMMON = dict(
+    vocab_size=128, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_experts_per_tok=2,
+)  # fmt: skip
+
+
+def _config(name: str, **overrides):
+    if name == "mixtral":
+        cfg = transformers.MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=4)
+    elif name == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(
+            **COMMON, intermediate_size=64, moe_intermediate_size=32, num_experts=6, norm_topk_prob=True
+        )
+    elif name == "gpt_oss":
+        cfg = transformers.GptOssConfig(
+            **COMMON, intermediate_size=32, num_local_experts=4, layer_types=["sliding_attention", "full_attention"],
+            sliding_window=8,
+        )  # fmt: skip
+    else:
+        raise AssertionError(name)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def _reinit(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def _build(name, seed=0, **kwargs):
+    cfg = kwargs.pop("config", None) or _config(name)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **kwargs)
+    return _reinit(model, seed)
+
+
+def _experts(model):
+    mods = [m for m in model.modules() if type(m).__name__.endswith("Experts") and hasattr(m, "gate_up_proj")]
+    assert len(mods) == LAYERS
+    return mods
+
+
+def _input_ids(seed=1, shape=(2, 9)):
+    return torch.randint(0, COMMON["vocab_size"], shape, generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _run(model, ids):
+    """(logits, [each experts module's output])."""
+    outs = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: outs.append(out.detach().clone())) for m in _experts(model)]
+    try:
+        logits = model(ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, outs
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts (and records the keyword arguments of) the fused_experts calls the integration makes."""
+    calls = []
+    real = INTEGRATION.fused_experts
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(INTEGRATION, "fused_experts", counting)
+    return calls
+
+
+MODELS = {
+    "mixtral": {},
+    "qwen3_moe": {},
+    "qwen3_moe_gelu_tanh_no_renorm": dict(hidden_act="gelu_pytorch_tanh", norm_topk_prob=False),
+    "gpt_oss": {},
+}
+
+
+@pytest.mark.parametrize("variant", list(MODELS))
+def test_set_experts_implementation_matches_eager(variant, spy):
+    name = next(n for n in ("mixtral", "qwen3_moe", "gpt_oss") if variant.startswith(n))
+    model = _build(name, config=_config(name, **MODELS[variant]))
+    ids = _input_ids()
+    model.set_experts_implementation("eager")
+    eager_logits, eager_outs = _run(model, ids)
+    assert spy == []  # eager never reaches moe_ops
+    model.set_experts_implementation("moe_ops")
+    assert model.config._experts_implementation == "moe_ops"
+    logits, outs = _run(model, ids)
+    assert len(spy) == LAYERS  # moe_ops really ran, once per MoE layer
+    assert relative_error(logits, eager_logits) <= TOL
+    for ours, theirs in zip(outs, eager_outs, strict=True):
+        assert theirs.abs().max() > 0
+        assert relative_error(ours, theirs) <= TOL
+    # and back: switching to eager again stops calling moe_ops
+    model.set_experts_implementation("eager")
+    assert torch.equal(_run(model, ids)[0], eager_logits)
+    assert len(spy) == LAYERS
+
+
+def test_experts_activation_mapping():
+    mix = _experts(_build("mixtral"))[0]
+    assert INTEGRATION.experts_activation(mix) == moe_ops.Activation("silu")
+    oss = _experts(_build("gpt_oss", config=_config("gpt_oss", swiglu_limit=3.5, swiglu_alpha=1.5)))[0]
+    assert INTEGRATION.experts_activation(oss) == moe_ops.Activation("swigluoai", alpha=1.5, limit=3.5, interleaved=True)
+    gelu = _experts(_build("qwen3_moe", config=_config("qwen3_moe", hidden_act="gelu_pytorch_tanh")))[0]
+    assert INTEGRATION.experts_activation(gelu).kind == "gelu_tanh"
+
+
+@pytest.mark.parametrize("limit", [0.03, 7.0], ids=["clamp_active", "default_limit"])
+def test_gpt_oss_clamped_swiglu_biases_and_transposed_weights(limit, spy):
+    """gpt-oss: interleaved gate/up, [E, H, N] (transposed) weights read as column-major views, biases,
+    and a clamped SwiGLU whose limit (0.03: the clamp binds) moe_ops must honour."""
+    model = _build("gpt_oss", config=_config("gpt_oss", swiglu_limit=limit))
+    experts = _experts(model)
+    assert experts[0].is_transposed and experts[0].has_bias and not experts[0].is_concatenated
+    with torch.no_grad():
+        for m in experts:  # make the biases large enough to matter
+            m.gate_up_proj_bias.normal_(0, 0.5)
+            m.down_proj_bias.normal_(0, 0.5)
+    ids = _input_ids(seed=2)
+    model.set_experts_implementation("eager")
+    eager_logits, eager_outs = _run(model, ids)
+    model.set_experts_implementation("moe_ops")
+    logits, outs = _run(model, ids)
+    assert len(spy) == LAYERS
+    act = spy[0]["activation"]
+    assert act == moe_ops.Activation("swigluoai", alpha=1.702, limit=limit, interleaved=True)
+    assert spy[0]["w13_bias"] is not None and spy[0]["w2_bias"] is not None
+    assert relative_error(logits, eager_logits) <= TOL
+    for ours, theirs in zip(outs, eager_outs, strict=True):
+        assert relative_error(ours, theirs) <= TOL
+    if limit < 1:
+        # the clamp binds: the same model with the default limit gives other experts outputs
+        other = _build("gpt_oss", config=_config("gpt_oss"))
+        other.load_state_dict(model.state_dict())
+        other.set_experts_implementation("eager")
+        assert relative_error(_run(other, ids)[1][0], eager_outs[0]) > 1e-2
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_config_attribute_selects_moe_ops(name, spy):
+    reference = _build(name)
+    reference.set_experts_implementation("eager")
+    ids = _input_ids(seed=3)
+    eager_logits, _ = _run(reference, ids)
+    cfg = _config(name)
+    cfg._experts_implementation = "moe_ops"
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    assert model.config._experts_implementation == "moe_ops"
+    model.load_state_dict(reference.state_dict())
+    model.eval()
+    logits, _ = _run(model, ids)
+    assert len(spy) == LAYERS
+    assert relative_error(logits, eager_logits) <= TOL
+
+
+def test_from_pretrained_with_experts_implementation(tmp_path, spy):
+    reference = _build("qwen3_moe")
+    reference.save_pretrained(tmp_path)
+    reference.set_experts_implementation("eager")
+    ids = _input_ids(seed=4)
+    eager_logits, _ = _run(reference, ids)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="moe_ops", dtype=torch.float32)
+    assert model.config._experts_implementation == "moe_ops"
+    logits, _ = _run(model.eval(), ids)
+    assert len(spy) == LAYERS
+    assert relative_error(logits, eager_logits) <= TOL
+
+
+def _moe_ops_ops(gm) -> list[str]:
+    return [
+        n.target.name().split("::")[1]
+        for n in gm.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "moe_ops"
+    ]
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_compiled_fullgraph_matches_eager(name, spy):
+    """torch.compile(fullgraph=True) of the whole model with moe_ops experts. The aot_eager backend traces
+    exactly what inductor would be given (dynamo + AOT autograd + the ops' fake impls) without the C++
+    compile, which on a cold cache costs ~30 s per model; test_compile.py compiles with inductor."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    model = _build(name)
+    ids = _input_ids(seed=5)
+    model.set_experts_implementation("eager")
+    eager_logits, _ = _run(model, ids)
+    model.set_experts_implementation("moe_ops")
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        logits = compiled(ids).logits
+        again = compiled(_input_ids(seed=6)).logits  # a second call runs the compiled code
+    assert len(spy) >= LAYERS  # traced through the moe_ops implementation
+    assert relative_error(logits, eager_logits) <= TOL
+    assert again.shape == logits.shape
+    ops = _moe_ops_ops(graphs[-1])
+    assert ops.count("grouped_gemm") == 2 * LAYERS and ops.count("weighted_reduce") == LAYERS
+
+
+def test_expert_parallel_sentinels_are_dropped(spy):
+    """With _is_expert_parallel, ids == num_experts are sentinels for experts on other ranks: both
+    implementations drop them."""
+    experts = _experts(_build("mixtral"))[0]
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(10, COMMON["hidden_size"], generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(10)])
+    ids[::3, 1] = experts.num_experts  # sentinels
+    weights = torch.rand(10, 2, generator=g)
+    experts._is_expert_parallel = True
+    with torch.no_grad():
+        experts.config._experts_implementation = "eager"
+        eager = experts(hidden, ids, weights)
+        experts.config._experts_implementation = "moe_ops"
+        ours = experts(hidden, ids, weights)
+    assert len(spy) == 1 and spy[0]["expert_map"] is not None
+    assert relative_error(ours, eager) <= TOL
+    kept = weights.clone()
+    kept[::3, 1] = 0.0
+    ids_valid = ids.clone()
+    ids_valid[::3, 1] = (ids[::3, 0] + 1) % experts.num_experts
+    experts._is_expert_parallel = False
+    with torch.no_grad():
+        assert relative_error(ours, experts(hidden, ids_valid, kept)) <= TOL
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_import_does_not_import_transformers_and_registers_later():
+    result = _python(
+        """
+        import sys
+        import moe_ops
+        assert "transformers" not in sys.modules, sorted(m for m in sys.modules if m.startswith("transformers"))
+        layer = moe_ops.FusedMoE(4, 2, 16, 8)  # the layer does not need it either
+        assert "transformers" not in sys.modules
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        assert "moe_ops" in ALL_EXPERTS_FUNCTIONS, "not registered when transformers was imported after moe_ops"
+        print("ok")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_registers_when_transformers_was_imported_first():
+    result = _python(
+        """
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        assert "moe_ops" not in ALL_EXPERTS_FUNCTIONS
+        import moe_ops
+        assert "moe_ops" in ALL_EXPERTS_FUNCTIONS
+        print("ok")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
