@@ -26,6 +26,10 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass.cute import AddressSpace  # noqa: E402
 from cutlass.cute.runtime import load_module, make_fake_stream, make_ptr  # noqa: E402
 
+ARCH = "sm_90a"
+# The target is given per compile: the DSL reads CUTE_DSL_ARCH only when it is first imported, which
+# may happen before this module (its default target is sm_100a).
+OPTIONS = f"--gpu-arch {ARCH}"
 _SOURCES = sorted(Path(__file__).parent.glob("*.py"))
 _memory: dict[str, object] = {}
 _lock = threading.Lock()
@@ -39,7 +43,7 @@ def cache_dir() -> Path:
 
 def _source_hash() -> str:
     h = hashlib.sha256(cutlass.__version__.encode() if hasattr(cutlass, "__version__") else b"")
-    h.update(os.environ["CUTE_DSL_ARCH"].encode())
+    h.update(ARCH.encode())
     for path in _SOURCES:
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
@@ -75,7 +79,7 @@ def get(key: str, build: Callable[[], tuple[object, tuple]]):
             how = "disk"
         else:
             jit_fn, args = build()
-            fn = cute.compile(jit_fn, *args)
+            fn = cute.compile(jit_fn, *args, options=OPTIONS)
             how = "compile"
             _export(fn, path, prefix)
         timings[key] = (how, time.perf_counter() - start)
@@ -83,12 +87,17 @@ def get(key: str, build: Callable[[], tuple[object, tuple]]):
         return fn
 
 
+export_errors: list[str] = []
+
+
 def _export(fn, path: Path, prefix: str) -> None:
-    """Write the object file atomically (a concurrent process may be writing the same key)."""
+    """Write the object file atomically (a concurrent process may be writing the same key). A cache
+    that cannot be written costs the next process a compile, nothing else; the reason is kept in
+    export_errors (the DSL cannot export when it was first imported without CUTE_DSL_ARCH set)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             fn.export_to_c(tmp, prefix, function_prefix=prefix)
             os.replace(Path(tmp) / f"{prefix}.o", path)
-    except OSError:
-        pass  # a read-only cache only costs the next process a compile
+    except Exception as e:  # noqa: BLE001 - OSError, or the DSL's own export errors
+        export_errors.append(f"{path.name}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")

@@ -25,8 +25,9 @@ _REFERENCE_DEVICES = {
 _FP8_SCHEMES = {n for n in SCHEMES if n.startswith("fp8") or n in ("mxfp4_w4a8", "nvfp4_w4a16", "nvfp4_w4a4")}
 
 # Schemes the CuTe DSL kernels implement, with the activation dtypes they take.
-# Filled in as kernels land (cute_kernels); until then every scheme runs on the reference.
-CUTE_SCHEMES: dict[str, tuple[torch.dtype, ...]] = {}
+# Schemes the CuTe DSL kernels implement (cute_kernels.interface has the per-call checks: H and I
+# multiples of 64, row-major weights, contiguous inputs), with the activation dtypes they take.
+CUTE_SCHEMES = {"unquantized": (torch.bfloat16, torch.float16)}
 CUTE_NOT_YET = "no CuTe DSL kernel for this scheme yet; runs on the reference"
 
 
@@ -64,7 +65,7 @@ def cute_support(scheme: str, device: torch.device | str, dtype: torch.dtype = t
         return Support("cute", scheme, label, False, CUTE_NOT_YET)
     if dtype not in CUTE_SCHEMES[scheme]:
         return Support("cute", scheme, label, False, f"activations in {dtype}; the kernels take {CUTE_SCHEMES[scheme]}")
-    return Support("cute", scheme, label, True, "CuTe DSL grouped GEMMs with fused epilogues")
+    return Support("cute", scheme, label, True, "CuTe DSL grouped GEMMs with fused epilogues (H, I multiples of 64, row-major weights)")
 
 
 def check_device_supports(scheme: str, device: torch.device) -> None:

@@ -1,0 +1,216 @@
+"""python -m moe_ops.bench: time the compiled MoE layer against plain-PyTorch grouped_mm on the GPU.
+
+For each shape (E, top-k, H, I) and token count M, with uniform random routing and random inputs:
+- ours: fused_experts compiled with the lowering installed (gate_up + down_reduce), captured in a CUDA
+  graph and replayed;
+- torch: the grouped_mm path transformers' "grouped_mm" experts run (sort, histc offsets,
+  torch._grouped_mm, SiLU-and-mul, torch._grouped_mm, weight and sum), also replayed in a CUDA graph;
+- speed of light: the larger of the active experts' weight bytes over the device's copy bandwidth
+  and the FLOPs over its dense bf16 matmul rate, both measured in the same run.
+Median of many replays after warm-up. Writes results.md, results.json and results.png to
+bench/results/<gpu-name>/ (or --out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "mixtral": (8, 2, 4096, 14336),
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "deepseek-v3": (256, 8, 7168, 2048),
+    "gpt-oss-120b": (128, 4, 2880, 2880),
+}
+TOKENS = (1, 16, 128, 1024, 8192)
+
+
+def graph_time_us(fn, replays: int, warmup: int = 5) -> float:
+    """Median µs of one replay of a CUDA graph of fn() (captured after warm-up), timed with events."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(warmup):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def measure_ceilings() -> tuple[float, float]:
+    """(copy bandwidth in bytes/s counting read + write, dense bf16 matmul rate in FLOP/s)."""
+    src = torch.randn(1 << 28, device="cuda", dtype=torch.float32)  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_us = graph_time_us(lambda: dst.copy_(src), 50)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_us = graph_time_us(lambda: a @ b, 50)
+    bandwidth = 2 * src.numel() * 4 / (copy_us * 1e-6)
+    rate = 2 * 8192**3 / (mm_us * 1e-6)
+    del src, dst, a, b
+    return bandwidth, rate
+
+
+def torch_grouped_mm_layer(x, w13, w2, topk_weights, topk_ids):
+    """transformers' grouped_mm experts: the plain-PyTorch baseline."""
+    m, k = topk_ids.shape
+    num_experts, n13, _ = w13.shape
+    inter = n13 // 2
+    ids = topk_ids.reshape(-1)
+    sorted_ids, order = torch.sort(ids)
+    counts = torch.histc(sorted_ids.int(), bins=num_experts, min=0, max=num_experts - 1)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    h = torch._grouped_mm(x[order // k], w13.transpose(1, 2), offs=offsets)
+    a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+    y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offsets)
+    y = y * topk_weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+    out = torch.empty_like(y)
+    out[order] = y
+    return out.view(m, k, -1).float().sum(1).to(x.dtype)
+
+
+def git_commit() -> str:
+    if os.environ.get("MOE_OPS_COMMIT"):
+        return os.environ["MOE_OPS_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def progress(i: int, n: int, label: str) -> None:
+    width = 30
+    done = width * i // n
+    print(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {label:<40}", end="" if i < n else "\n", file=sys.stderr, flush=True)
+
+
+def run(shapes, tokens, replays: int) -> list[dict]:
+    import lowering
+    from moe_ops import fused_experts
+
+    lowering.install()
+    bandwidth, rate = measure_ceilings()
+    gpu = torch.cuda.get_device_name()
+    records, total, done = [], len(shapes) * len(tokens), 0
+    for name in shapes:
+        e, k, h, i = SHAPES[name]
+        w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) / h**0.5
+        w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) / i**0.5
+        # One compile per shape: the token dimension is dynamic, 1 included (backed_size_oblivious).
+        layer = torch.compile(fused_experts, fullgraph=True, dynamic=True)
+        for m in tokens:
+            progress(done, total, f"{name} M={m}")
+            x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+            logits = torch.randn(m, e, device="cuda")
+            topk_weights, topk_ids = torch.softmax(logits, -1).topk(k, dim=-1)
+            topk_weights = (topk_weights / topk_weights.sum(-1, keepdim=True)).contiguous()
+            topk_ids = topk_ids.to(torch.int32)
+            with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+                ours_us = graph_time_us(lambda: layer(x, w13, w2, topk_weights, topk_ids), replays)
+            torch_us = graph_time_us(lambda: torch_grouped_mm_layer(x, w13, w2, topk_weights, topk_ids), replays)
+            active = int(torch.unique(topk_ids).numel())  # host sync: benchmark setup only
+            weight_bytes = active * 3 * i * h * 2
+            flops = 2 * m * k * 3 * i * h
+            sol_us = max(weight_bytes / bandwidth, flops / rate) * 1e6
+            records.append(dict(
+                shape=name, E=e, k=k, H=h, I=i, M=m, ours_us=ours_us, torch_us=torch_us, sol_us=sol_us,
+                active_experts=active, bandwidth_Bps=bandwidth, matmul_flops=rate, gpu=gpu,
+                torch=torch.__version__, commit=git_commit(),
+                tflops=flops / (ours_us * 1e-6) / 1e12, weight_TBps=weight_bytes / (ours_us * 1e-6) / 1e12,
+                pct_sol=100 * sol_us / ours_us,
+            ))  # fmt: skip
+            done += 1
+        progress(done, total, name)
+        del w13, w2
+        torch.cuda.empty_cache()
+    return records
+
+
+def table(records: list[dict]) -> str:
+    r0 = records[0]
+    lines = [
+        f"GPU: {r0['gpu']}; torch {r0['torch']}; commit {r0['commit'][:12]}; measured copy bandwidth "
+        f"{r0['bandwidth_Bps'] / 1e12:.2f} TB/s, dense bf16 matmul {r0['matmul_flops'] / 1e12:.0f} TFLOP/s",
+        "",
+        "| shape (E, k, H, I) | M | ours µs | torch µs | speedup | SoL µs | % SoL | TFLOP/s | weight TB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        lines.append(
+            f"| {r['shape']} ({r['E']}, {r['k']}, {r['H']}, {r['I']}) | {r['M']} | {r['ours_us']:.1f} | {r['torch_us']:.1f} | "
+            f"{r['torch_us'] / r['ours_us']:.2f}x | {r['sol_us']:.1f} | {r['pct_sol']:.0f}% | {r['tflops']:.0f} | {r['weight_TBps']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib unavailable: no plot", file=sys.stderr)
+        return
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for name in dict.fromkeys(r["shape"] for r in records):
+        rs = [r for r in records if r["shape"] == name]
+        ms = [r["M"] for r in rs]
+        (line,) = ax_t.plot(ms, [r["ours_us"] for r in rs], "o-", label=f"{name} ours")
+        ax_t.plot(ms, [r["torch_us"] for r in rs], "x--", color=line.get_color(), label=f"{name} torch")
+        ax_s.plot(ms, [r["pct_sol"] for r in rs], "o-", color=line.get_color(), label=name)
+    for ax in (ax_t, ax_s):
+        ax.set_xscale("log")
+        ax.set_xlabel("tokens M")
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("µs per layer (CUDA graph replay, median)")
+    ax_s.set_ylabel("% of speed of light (ours)")
+    ax_t.legend(fontsize=7)
+    ax_s.legend(fontsize=7)
+    fig.suptitle(f"MoE layer, bf16, {records[0]['gpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    parser.add_argument("--replays", type=int, default=100)
+    parser.add_argument("--out", type=Path, default=None, help="default: bench/results/<gpu-name>/")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("moe_ops.bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    records = run(args.shapes, args.tokens, args.replays)
+    out = args.out or Path("bench/results") / torch.cuda.get_device_name().replace(" ", "-")
+    out.mkdir(parents=True, exist_ok=True)
+    text = table(records)
+    cmd = "python -m moe_ops.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    (out / "results.md").write_text(f"Command: `{cmd.strip()}`\n\n{text}\n")
+    (out / "results.json").write_text(json.dumps(records, indent=1))
+    plot(records, out / "results.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

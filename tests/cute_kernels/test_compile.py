@@ -1,0 +1,100 @@
+"""Every kernel variant the fused ops can request compiles for sm_90a on this (CPU-only) machine, and
+its generated code has the facts the design relies on: WGMMA for the GEMMs, TMA
+(cp.async.bulk.tensor) for the weights, cp.async for the gathered rows, no local memory or spills
+(ptxas -v for sm_90a), and shared memory within the 227 KB an sm_90 block may use."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+# Before the DSL's first import: it fixes its target then (exporting object files needs it).
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+cutlass = pytest.importorskip("cutlass")
+
+from cute_kernels import compile as cc  # noqa: E402
+from cute_kernels import interface  # noqa: E402
+from cute_kernels.moe_gemm import SMEM_CAPACITY, MoeGemmSm90  # noqa: E402
+from cute_kernels.weighted_reduce import WeightedReduceSm90  # noqa: E402
+
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Int32  # noqa: E402
+
+DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
+VARIANTS = [
+    *interface.variants(torch.bfloat16, bias_dtypes=(None, torch.bfloat16, torch.float32)),
+    *interface.variants(torch.float16, bias_dtypes=(None,)),
+]
+
+
+def _ptxas(ptx: str, tmp_path) -> str:
+    """ptxas -v for sm_90a; the DSL emits a newer PTX ISA version than the machine's ptxas reads,
+    and the instructions used exist in ISA 9.0."""
+    path = tmp_path / "k.ptx"
+    path.write_text(re.sub(r"^\.version .*$", ".version 9.0", ptx, count=1, flags=re.M))
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.cubin")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stderr
+
+
+def _compile(kernel, args, tmp_path):
+    return cute.compile(kernel, *args, options=f"{cc.OPTIONS} --keep-ptx --dump-dir={tmp_path}").artifacts.PTX
+
+
+def _check_resources(report: str) -> None:
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    regs = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert regs <= 168, f"{regs} registers: 384 threads would not fit one block per SM"
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0].activation}-{v[0].gate_layout}-gather{v[1]}-bias{v[0].has_bias}-{v[2]}")
+def test_moe_gemm_variant(variant, tmp_path):
+    epi, gather, bias_dtype = variant
+    dtype = torch.float16 if any(v is variant for v in VARIANTS[-9:]) else torch.bfloat16
+    kernel = MoeGemmSm90(epi, gather=gather, num_sms=132)
+    d = DTYPES[dtype]
+    ptrs = [cc.fake_ptr(d)] * 4 + [cc.fake_ptr(cutlass.Int32)] * 2 + [cc.fake_ptr(DTYPES[bias_dtype])]
+    ptx = _compile(kernel, (*ptrs, *[Int32(64)] * 8, cc.fake_stream()), tmp_path)
+    # WGMMA on bf16/fp16 operands (m64nNk16), two accumulators for [gate; up].
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(bf16|f16)", ptx)
+    assert wgmma and {n for n, _ in wgmma} == {str(kernel.part_n)}
+    assert "wgmma.fence" in ptx and "wgmma.commit_group" in ptx and "wgmma.wait_group" in ptx
+    # Weights by TMA, rows by 16-byte cp.async completing on an mbarrier.
+    assert ptx.count("cp.async.bulk.tensor.3d.shared::cta.global") == kernel.num_parts
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert ".local" not in ptx
+    assert kernel.storage.size_in_bytes() <= SMEM_CAPACITY
+    assert kernel.num_stages >= 3
+    if shutil.which("ptxas"):
+        _check_resources(_ptxas(ptx, tmp_path))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weighted_reduce(dtype, tmp_path):
+    d = DTYPES[dtype]
+    ptrs = (cc.fake_ptr(d), cc.fake_ptr(cutlass.Float32), cc.fake_ptr(cutlass.Int32), cc.fake_ptr(cutlass.Int32), cc.fake_ptr(d))
+    ptx = _compile(WeightedReduceSm90(), (*ptrs, *[Int32(8)] * 4, cc.fake_stream()), tmp_path)
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "16-byte loads and stores"
+    assert "atom." not in ptx and "red." not in ptx, "no atomics: the reduction is deterministic"
+    assert ".local" not in ptx
+    if shutil.which("ptxas"):
+        _check_resources(_ptxas(ptx, tmp_path))
+
+
+def test_disk_cache_round_trip(tmp_path, monkeypatch):
+    """A variant compiled once is loaded from the disk cache by a fresh in-memory cache."""
+    monkeypatch.setenv("MOE_OPS_CUTE_CACHE", str(tmp_path))
+    monkeypatch.setattr(cc, "_memory", {})
+    epi, gather, bias_dtype = VARIANTS[0]
+    interface._gemm(epi, gather, torch.bfloat16, bias_dtype, 132)
+    key = next(iter(k for k in cc._memory))
+    assert cc.timings[key][0] == "compile"
+    assert list(tmp_path.glob("*.o"))
+    monkeypatch.setattr(cc, "_memory", {})
+    interface._gemm(epi, gather, torch.bfloat16, bias_dtype, 132)
+    assert cc.timings[key][0] == "disk"
