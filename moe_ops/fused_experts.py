@@ -21,6 +21,9 @@ from .quant.scheme import UNQUANTIZED, ActivationQuant, WeightQuant
 from .reduce import weighted_reduce
 
 
+_UNQUANTIZED_CONFIG = QuantConfig(UNQUANTIZED)
+
+
 @dataclass(frozen=True)
 class LayerShape:
     num_experts: int  # local experts (w13.shape[0])
@@ -37,6 +40,9 @@ def check_inputs(
     """Validate everything fused_experts receives; raise ValueError/TypeError naming the argument."""
     for name, t in (("hidden_states", hidden_states), ("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         _checks.expect_tensor(name, t)
+    for name, t in (("w13_bias", w13_bias), ("w2_bias", w2_bias), ("expert_map", expert_map)):
+        if t is not None:
+            _checks.expect_tensor(name, t)
     _checks.expect_ndim("hidden_states", hidden_states, 2, "[M, H]")
     _checks.expect_dtype("hidden_states", hidden_states, _checks.FLOAT_DTYPES)
     _checks.expect_last_dim_contiguous("hidden_states", hidden_states)
@@ -146,7 +152,7 @@ def fused_experts(
     calls skip that check and treat an out-of-range id like an expert on another rank.
     """
     act = resolve_activation(activation)
-    config = quant_config if quant_config is not None else QuantConfig(UNQUANTIZED)
+    config = quant_config if quant_config is not None else _UNQUANTIZED_CONFIG
     if not isinstance(config, QuantConfig):
         raise TypeError(f"quant_config: expected moe_ops.QuantConfig or None, got {type(config).__name__}")
     for name, given, inside in (("w13_bias", w13_bias, config.w13_bias), ("w2_bias", w2_bias, config.w2_bias)):

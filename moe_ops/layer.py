@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from . import _checks
 from .activation import Activation, resolve_activation
 from .fused_experts import fused_experts
 from .quant.config import QuantConfig, quantize_weights
@@ -125,6 +126,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> [..., H]."""
+        _checks.expect_tensor("hidden_states", hidden_states)
+        _checks.expect_dtype("hidden_states", hidden_states, _checks.FLOAT_DTYPES)
+        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states: expected [..., H={self.hidden_size}], got shape {tuple(hidden_states.shape)}")
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         topk_weights, topk_ids = self.routing_for(x)
@@ -142,50 +147,69 @@ class FusedMoE(nn.Module):
         Accepts per-expert names "...experts.<e>.<part>.weight" with part gate_proj/up_proj/down_proj
         or w1/w3/w2 (Mixtral), every expert required; or stacked 3-D tensors "w13"/"gate_up_proj"
         [E, 2I, H] and "w2"/"down_proj" [E, H, I] (any prefix); the router as "gate.weight" or
-        "router.weight"; "e_score_correction_bias". Unknown names raise ValueError.
+        "router.weight"; "e_score_correction_bias". Every tensor must be used: unknown names, expert
+        ids >= num_experts, a gate for an activation without one, or per-expert and stacked tensors for
+        the same projection raise ValueError. Nothing is written unless everything checks out.
         """
-        items = weights.items() if isinstance(weights, Mapping) else weights
-        per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-        stacked: dict[str, torch.Tensor] = {}
+        items = list(weights.items() if isinstance(weights, Mapping) else weights)
+        per_expert: dict[tuple[str, str], dict[int, tuple[str, torch.Tensor]]] = {}
+        stacked: dict[str, tuple[str, torch.Tensor]] = {}
+        copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # applied once everything is checked
         for name, tensor in items:
             if (m := _PER_EXPERT.search(name)) is not None:
-                per_expert.setdefault(_EXPERT_PARTS[m.group(2)], {})[int(m.group(1))] = tensor
+                expert, part = int(m.group(1)), _EXPERT_PARTS[m.group(2)]
+                if expert >= self.num_experts:
+                    raise ValueError(f"weights[{name!r}]: expert {expert} >= num_experts={self.num_experts}")
+                if part == ("w13", "gate") and not self.activation.gated:
+                    raise ValueError(f"weights[{name!r}]: activation {self.activation.kind!r} has no gate projection")
+                per_expert.setdefault(part, {})[expert] = (name, tensor)
             elif (key := next((k for k in _STACKED if name == k or name.endswith("." + k)), None)) is not None:
-                stacked[_STACKED[key]] = tensor
+                stacked[_STACKED[key]] = (name, tensor)
             elif (key := next((k for k in _ROUTER if name == k or name.endswith("." + k)), None)) is not None:
-                self._copy(f"router.{_ROUTER[key]}", getattr(self.router, _ROUTER[key]), tensor)
+                dest = getattr(self.router, _ROUTER[key])
+                if dest is None:
+                    raise ValueError(f"weights[{name!r}]: the router has no bias")
+                copies.append((name, dest, tensor))
             elif name.split(".")[-1] == "e_score_correction_bias" and self.e_score_correction_bias is not None:
-                self._copy(name, self.e_score_correction_bias, tensor)
+                copies.append((name, self.e_score_correction_bias, tensor))
             else:
                 raise ValueError(f"weights: unknown name {name!r}; expected per-expert, stacked or router names (see load_weights)")
-        w13 = stacked.get("w13", self._stack(per_expert, "w13", ("gate", "up") if self.activation.gated else ("up",)))
-        w2 = stacked.get("w2", self._stack(per_expert, "w2", ("down",)))
+        for which in ("w13", "w2"):
+            if which in stacked and any(k[0] == which for k in per_expert):
+                raise ValueError(f"weights: {which} given both stacked ({stacked[which][0]!r}) and per expert; give one")
+        for name, dest, src in copies:
+            if tuple(dest.shape) != tuple(src.shape):
+                raise ValueError(f"weights[{name!r}]: expected shape {tuple(dest.shape)}, got {tuple(src.shape)}")
+        current13, current2 = self.float_weights()
+        parts13 = ("gate", "up") if self.activation.gated else ("up",)
+        w13 = stacked["w13"][1] if "w13" in stacked else self._stack(per_expert, "w13", parts13, current13.shape[1:])
+        w2 = stacked["w2"][1] if "w2" in stacked else self._stack(per_expert, "w2", ("down",), current2.shape[1:])
+        for which, t, want in (("w13", w13, current13.shape), ("w2", w2, current2.shape)):
+            if t is not None and tuple(t.shape) != tuple(want):
+                raise ValueError(f"weights[{which}]: expected shape {tuple(want)}, got {tuple(t.shape)}")
+        for _, dest, src in copies:
+            dest.copy_(src)
         if w13 is None and w2 is None:
             return
-        current13, current2 = self.float_weights()
+        dtype = self.router.weight.dtype
         w13 = current13 if w13 is None else w13
         w2 = current2 if w2 is None else w2
-        dtype = self.router.weight.dtype
-        for name, t, want in (("w13", w13, current13.shape), ("w2", w2, current2.shape)):
-            if tuple(t.shape) != tuple(want):
-                raise ValueError(f"weights[{name}]: expected shape {tuple(want)}, got {tuple(t.shape)}")
         self._set_expert_weights(w13.to(device=current13.device, dtype=dtype), w2.to(device=current2.device, dtype=dtype))
 
-    def _stack(self, per_expert, which: str, parts: tuple[str, ...]) -> torch.Tensor | None:
+    def _stack(self, per_expert, which: str, parts: tuple[str, ...], matrix_shape) -> torch.Tensor | None:
+        """Stack per-expert tensors [rows, K] into [E, sum(rows), K]; None when none were given."""
         found = [per_expert.get((which, p), {}) for p in parts]
         if not any(found):
             return None
+        rows = matrix_shape[0] // len(parts)
         for part, tensors in zip(parts, found):
             missing = sorted(set(range(self.num_experts)) - set(tensors))
             if missing:
                 raise ValueError(f"weights: {part} projection missing for experts {missing[:8]}{'...' if len(missing) > 8 else ''}")
-        return torch.stack([torch.cat([f[e] for f in found], dim=0) for e in range(self.num_experts)])
-
-    @staticmethod
-    def _copy(name: str, dest: torch.Tensor, src: torch.Tensor) -> None:
-        if tuple(dest.shape) != tuple(src.shape):
-            raise ValueError(f"weights[{name}]: expected shape {tuple(dest.shape)}, got {tuple(src.shape)}")
-        dest.copy_(src)
+            for name, t in tensors.values():
+                if tuple(t.shape) != (rows, matrix_shape[1]):
+                    raise ValueError(f"weights[{name!r}]: expected shape {(rows, matrix_shape[1])}, got {tuple(t.shape)}")
+        return torch.stack([torch.cat([f[e][1] for f in found], dim=0) for e in range(self.num_experts)])
 
     def float_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The expert weights in float32 (dequantized for a quantized scheme): w13 [E, n13, H], w2 [E, H, I]."""

@@ -112,6 +112,9 @@ def route(
             f"num_expert_group and topk_group: got {num_expert_group!r} and {topk_group!r}; "
             "allowed: both None or both set"
         )
+    for name, v in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise ValueError(f"{name}: got {v!r}; allowed: an int or None")
     if num_expert_group is not None:
         if num_expert_group < 1 or num_experts % num_expert_group:
             raise ValueError(

@@ -43,7 +43,9 @@ def _required_fields(scheme: QuantScheme) -> set[str]:
     return need
 
 
-@dataclass(frozen=True, eq=False)
+# Not frozen: torch 2.11's Dynamo cannot build a frozen dataclass that holds existing objects inside a
+# compiled region ("sourceless builder"), and models build their config in forward().
+@dataclass(eq=False)
 class QuantConfig:
     """Quantization of one MoE layer: the scheme, and per GEMM (13: gate/up, 2: down):
     - w*_scale [E, cdiv(N, gr), cdiv(K, gc)]: weight dequantization scales (see formats.py for dtypes);

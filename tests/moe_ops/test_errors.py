@@ -229,13 +229,6 @@ def test_fused_experts_rejects(no_ops, mutate, exc, match):
     assert no_ops == []
 
 
-@pytest.mark.xfail(
-    reason="BUG: check_inputs (moe_ops/fused_experts.py) calls _checks.expect_same_device on w13_bias/w2_bias/"
-    "expert_map before expect_tensor checks them, so a non-tensor raises AttributeError "
-    "(\"'list' object has no attribute 'device'\") instead of TypeError naming the argument",
-    raises=AttributeError,
-    strict=True,
-)
 @pytest.mark.parametrize(
     "name, value",
     [("w2_bias", [0.0] * H), ("w13_bias", 0.0), ("expert_map", [0, 1, 2, 3])],
@@ -529,13 +522,6 @@ def test_route_rejects(no_ops, call, exc, match):
     assert no_ops == []
 
 
-@pytest.mark.xfail(
-    reason="BUG: route (moe_ops/routing.py) checks num_expert_group/topk_group only by value (1 <= topk_group <= "
-    "num_expert_group, E % num_expert_group), not that they are ints, so 1.5 or 2.0 pass the checks and reach "
-    "the moe_ops::route op, whose schema (SymInt) then raises RuntimeError",
-    raises=_OpCalled,
-    strict=True,
-)
 @pytest.mark.parametrize(
     "kwargs, name",
     [(dict(num_expert_group=4, topk_group=1.5), "topk_group"), (dict(num_expert_group=2.0, topk_group=1), "num_expert_group")],
@@ -617,13 +603,6 @@ def test_fused_moe_constructor_rejects(changes, exc, match):
         moe_ops.FusedMoE(**{**args, **changes})
 
 
-@pytest.mark.xfail(
-    reason="BUG: FusedMoE.forward does not validate hidden_states before its router nn.Linear runs, so a wrong "
-    "hidden size raises torch's RuntimeError 'mat1 and mat2 shapes cannot be multiplied' instead of a "
-    "ValueError naming hidden_states (README: bad input raises ValueError/TypeError naming the argument)",
-    raises=RuntimeError,
-    strict=True,
-)
 def test_fused_moe_forward_wrong_hidden_size_names_argument():
     layer = moe_ops.FusedMoE(E, 2, H, I, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"hidden_states"):
@@ -631,12 +610,6 @@ def test_fused_moe_forward_wrong_hidden_size_names_argument():
             layer(torch.randn(3, H + 1))
 
 
-@pytest.mark.xfail(
-    reason="BUG: FusedMoE.forward runs the router nn.Linear on integer hidden_states, which raises torch's "
-    "RuntimeError ('expected m1 and m2 to have the same dtype') instead of a TypeError naming hidden_states",
-    raises=RuntimeError,
-    strict=True,
-)
 def test_fused_moe_forward_int_hidden_states_names_argument():
     layer = moe_ops.FusedMoE(E, 2, H, I, dtype=torch.float32)
     with pytest.raises(TypeError, match=r"hidden_states"):

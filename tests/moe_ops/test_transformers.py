@@ -131,6 +131,9 @@ def test_experts_activation_mapping():
     mix = _experts(_build("mixtral"))[0]
     assert INTEGRATION.experts_activation(mix) == moe_ops.Activation("silu")
     oss = _experts(_build("gpt_oss", config=_config("gpt_oss", swiglu_limit=3.5, swiglu_alpha=1.5)))[0]
+    # Older transformers (5.17) fix alpha and limit in the module instead of reading the config: the
+    # mapping follows the module, which is what its eager forward uses.
+    oss.alpha, oss.limit = 1.5, 3.5
     assert INTEGRATION.experts_activation(oss) == moe_ops.Activation("swigluoai", alpha=1.5, limit=3.5, interleaved=True)
     gelu = _experts(_build("qwen3_moe", config=_config("qwen3_moe", hidden_act="gelu_pytorch_tanh")))[0]
     assert INTEGRATION.experts_activation(gelu).kind == "gelu_tanh"
@@ -145,6 +148,7 @@ def test_gpt_oss_clamped_swiglu_biases_and_transposed_weights(limit, spy):
     assert experts[0].is_transposed and experts[0].has_bias and not experts[0].is_concatenated
     with torch.no_grad():
         for m in experts:  # make the biases large enough to matter
+            m.limit = limit  # transformers 5.17 ignores config.swiglu_limit; eager reads the module's
             m.gate_up_proj_bias.normal_(0, 0.5)
             m.down_proj_bias.normal_(0, 0.5)
     ids = _input_ids(seed=2)
