@@ -32,6 +32,28 @@ _CUTLASS_DTYPE = {
     torch.int32: cutlass.Int32,
 }
 ALIGN = 64  # H and I must be multiples of this (the K tile; keeps every chunk and TMA box aligned)
+# B rows per tile the kernel may use, by gate layout, largest first (see choose_tile_n).
+TILE_N = {"concat": (256, 128), "interleaved": (256, 128), "none": (256, 128, 64)}
+TILE_M = MoeGemmSm90.tile_m
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def choose_tile_n(gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int) -> int:
+    """The largest B-rows-per-tile whose work tiles still cover every SM, for M tokens routed to k of
+    E experts (assumed spread evenly; a host-side shape heuristic, no data read). Large tiles reuse
+    each gathered A tile for more columns; small ones split the weights of a few active experts over
+    all SMs when M is small (weight streaming)."""
+    pairs = m * k
+    active = max(1, min(num_experts, pairs))
+    m_tiles = active * _cdiv(_cdiv(pairs, active), TILE_M)
+    for tile_n in TILE_N[gate_layout]:
+        out_n = tile_n // 2 if gate_layout != "none" else tile_n
+        if m_tiles * _cdiv(n_out, out_n) >= sms:
+            return tile_n
+    return TILE_N[gate_layout][-1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,7 +153,9 @@ def gate_up(x, w, bias, offsets, gather, *, activation: str, alpha: float, limit
     if out.shape[0] == 0:
         return out
     epi = Epilogue(activation, gate_layout, float(alpha), float(limit), has_bias=bias is not None)
-    fn = _gemm(epi, True, x.dtype, bias.dtype if bias is not None else x.dtype, num_sms(x.device.index))
+    sms = num_sms(x.device.index)
+    tile_n = choose_tile_n(gate_layout, inter, x.shape[0], gather.shape[0] // max(x.shape[0], 1), num_experts, sms)
+    fn = _gemm(epi, True, x.dtype, bias.dtype if bias is not None else x.dtype, sms, tile_n)
     if gate_layout == "concat":
         # The up rows of each expert start I rows after its gate rows; the kernel reads both as parts.
         parts, n_part = (w, w[:, inter:]), inter
@@ -152,7 +176,8 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None):
         return out
     y = torch.empty(a.shape[0], hidden, dtype=a.dtype, device=a.device)
     epi = Epilogue("none", "none", has_bias=bias is not None)
-    fn = _gemm(epi, False, a.dtype, bias.dtype if bias is not None else a.dtype, num_sms(a.device.index))
+    sms = num_sms(a.device.index)
+    fn = _gemm(epi, False, a.dtype, bias.dtype if bias is not None else a.dtype, sms, choose_tile_n("none", hidden, m, k, num_experts, sms))
     _launch_gemm(fn, a, (w, w), y, offsets, offsets, bias, hidden, hidden * inter)
     _reduce(a.dtype)(
         _ptr(y), _ptr(topk_weights), _ptr(inverse), _ptr(offsets), _ptr(out),
@@ -162,13 +187,15 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None):
 
 
 def variants(dtype=torch.bfloat16, bias_dtypes=(None,)):
-    """Every (epilogue, gather, bias dtype) the fused ops can request for activations in `dtype`."""
+    """Every (epilogue, gather, bias dtype, tile_n) the fused ops can request for activations in `dtype`."""
     out = []
     for bias in bias_dtypes:
         for act in ACTIVATIONS:
             for layout in (("concat", "interleaved") if act in GATED else ("none",)):
-                out.append((Epilogue(act, layout, has_bias=bias is not None), True, bias or dtype))
-        out.append((Epilogue("none", "none", has_bias=bias is not None), False, bias or dtype))
+                for tile_n in TILE_N[layout]:
+                    out.append((Epilogue(act, layout, has_bias=bias is not None), True, bias or dtype, tile_n))
+        for tile_n in TILE_N["none"]:
+            out.append((Epilogue("none", "none", has_bias=bias is not None), False, bias or dtype, tile_n))
     return out
 
 
@@ -177,7 +204,7 @@ def precompile(dtype=torch.bfloat16, sms: int | None = None, bias_dtypes=(None,)
     GPU with `sms` multiprocessors (default: the current device's). Works without a GPU when sms is
     given. Returns {key: (compile or disk, seconds)}."""
     sms = sms if sms is not None else num_sms(torch.cuda.current_device())
-    for epi, gather, bias_dtype in variants(dtype, bias_dtypes):
-        _gemm(epi, gather, dtype, bias_dtype, sms)
+    for epi, gather, bias_dtype, tile_n in variants(dtype, bias_dtypes):
+        _gemm(epi, gather, dtype, bias_dtype, sms, tile_n)
     _reduce(dtype)
     return dict(cc.timings)

@@ -133,6 +133,7 @@ class MoeGemmSm90:
         # 64 elements, so every 16-byte chunk and TMA box is aligned.
         k = cute.assume(k, divby=64)
         b_stride = cute.assume(b_stride, divby=64)
+        n_out = cute.assume(n_out, divby=64)
         mA = cute.make_tensor(a_ptr, cute.make_layout((rows_a, k), stride=(k, 1)))
         mB0 = cute.make_tensor(b0_ptr, cute.make_layout((n_part, k, num_experts), stride=(k, 1, b_stride)))
         mB1 = cute.make_tensor(b1_ptr, cute.make_layout((n_part, k, num_experts), stride=(k, 1, b_stride)))
@@ -392,19 +393,25 @@ class MoeGemmSm90:
                         u = u + mBias[e, 2 * col + 1].to(Float32)
                     mC[row0 + m, col] = _gated(epi.activation, g, u, epi.alpha, epi.limit).to(out_dtype)
         else:
-            for i in cutlass.range_constexpr(cute.size(acc0)):
-                m, n = tCcC[i]
+            # Fragment elements 2j and 2j+1 are adjacent columns of one row: one 32-bit store each.
+            pair = cute.make_rmem_tensor((2,), out_dtype)
+            store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
+            for j in cutlass.range_constexpr(cute.size(acc0) // 2):
+                m, n = tCcC[2 * j]
                 col = col0 + n
+                # n_out is even (a multiple of 64), so col < n_out covers col + 1 too.
                 if m < rows_left and col < n_out:
-                    y = acc0[i]
-                    if const_expr(epi.has_bias):
-                        y = y + mBias[e, col].to(Float32)
-                    if const_expr(epi.gate_layout == "concat"):
-                        u = acc1[i]
+                    for v in cutlass.range_constexpr(2):
+                        y = acc0[2 * j + v]
                         if const_expr(epi.has_bias):
-                            u = u + mBias[e, n_out + col].to(Float32)
-                        y = _gated(epi.activation, y, u, epi.alpha, epi.limit)
-                    elif const_expr(epi.activation == "relu2"):
-                        y = cute.arch.fmax(y, Float32(0.0))
-                        y = y * y
-                    mC[row0 + m, col] = y.to(out_dtype)
+                            y = y + mBias[e, col + v].to(Float32)
+                        if const_expr(epi.gate_layout == "concat"):
+                            u = acc1[2 * j + v]
+                            if const_expr(epi.has_bias):
+                                u = u + mBias[e, n_out + col + v].to(Float32)
+                            y = _gated(epi.activation, y, u, epi.alpha, epi.limit)
+                        elif const_expr(epi.activation == "relu2"):
+                            y = cute.arch.fmax(y, Float32(0.0))
+                            y = y * y
+                        pair[v] = y.to(out_dtype)
+                    cute.copy(store, pair, cute.local_tile(mC[row0 + m, None], (2,), (col // 2,)))

@@ -26,8 +26,8 @@ from cutlass import Int32  # noqa: E402
 
 DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
 VARIANTS = [
-    *interface.variants(torch.bfloat16, bias_dtypes=(None, torch.bfloat16, torch.float32)),
-    *interface.variants(torch.float16, bias_dtypes=(None,)),
+    *[(torch.bfloat16, *v) for v in interface.variants(torch.bfloat16, bias_dtypes=(None, torch.bfloat16, torch.float32))],
+    *[(torch.float16, *v) for v in interface.variants(torch.float16, bias_dtypes=(None, torch.float16, torch.float32))],
 ]
 
 
@@ -51,11 +51,16 @@ def _check_resources(report: str) -> None:
     assert regs <= 168, f"{regs} registers: 384 threads would not fit one block per SM"
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0].activation}-{v[0].gate_layout}-gather{v[1]}-bias{v[0].has_bias}-{v[2]}")
+def _id(v) -> str:
+    dtype, epi, gather, bias_dtype, tile_n = v
+    bias = str(bias_dtype).removeprefix("torch.") if epi.has_bias else "none"
+    return f"{str(dtype).removeprefix('torch.')}-{epi.activation}-{epi.gate_layout}-gather{int(gather)}-bias_{bias}-n{tile_n}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
 def test_moe_gemm_variant(variant, tmp_path):
-    epi, gather, bias_dtype = variant
-    dtype = torch.float16 if any(v is variant for v in VARIANTS[-9:]) else torch.bfloat16
-    kernel = MoeGemmSm90(epi, gather=gather, num_sms=132)
+    dtype, epi, gather, bias_dtype, tile_n = variant
+    kernel = MoeGemmSm90(epi, tile_n=tile_n, gather=gather, num_sms=132)
     d = DTYPES[dtype]
     ptrs = [cc.fake_ptr(d)] * 4 + [cc.fake_ptr(cutlass.Int32)] * 2 + [cc.fake_ptr(DTYPES[bias_dtype])]
     ptx = _compile(kernel, (*ptrs, *[Int32(64)] * 8, cc.fake_stream()), tmp_path)
@@ -90,11 +95,11 @@ def test_disk_cache_round_trip(tmp_path, monkeypatch):
     """A variant compiled once is loaded from the disk cache by a fresh in-memory cache."""
     monkeypatch.setenv("MOE_OPS_CUTE_CACHE", str(tmp_path))
     monkeypatch.setattr(cc, "_memory", {})
-    epi, gather, bias_dtype = VARIANTS[0]
-    interface._gemm(epi, gather, torch.bfloat16, bias_dtype, 132)
+    _, epi, gather, bias_dtype, tile_n = VARIANTS[0]
+    interface._gemm(epi, gather, torch.bfloat16, bias_dtype, 132, tile_n)
     key = next(iter(k for k in cc._memory))
     assert cc.timings[key][0] == "compile"
     assert list(tmp_path.glob("*.o"))
     monkeypatch.setattr(cc, "_memory", {})
-    interface._gemm(epi, gather, torch.bfloat16, bias_dtype, 132)
+    interface._gemm(epi, gather, torch.bfloat16, bias_dtype, 132, tile_n)
     assert cc.timings[key][0] == "disk"
