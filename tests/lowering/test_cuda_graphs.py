@@ -1,0 +1,149 @@
+"""CUDA graphs with the MoE pass: torch.compile(mode="reduce-overhead") of a two-layer MoE model in
+bf16 replays with new routing on every replay and matches eager, compiles once per captured size and
+replays without recompiling, and neither the replays nor the fused ops synchronise with the host."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+from torch._inductor import config as inductor_config
+from torch._inductor.cudagraph_trees import get_manager
+
+import lowering
+import moe_ops
+from moe_ops.reference import relative_error, tolerance
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DTYPE = torch.bfloat16
+SIZES = (1, 16, 128)
+TOP_K = 2
+WARMUP_CALLS = 3  # compile + cudagraph-trees warm-up, recording, a first replay
+REPLAYS = 4
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.register_buffer("w13", torch.randn(num_experts, 2 * intermediate, hidden) / hidden**0.5)
+        self.register_buffer("w2", torch.randn(num_experts, hidden, intermediate) / intermediate**0.5)
+
+    def forward(self, x, topk_weights, topk_ids):
+        return moe_ops.fused_experts(x, self.w13, self.w2, topk_weights, topk_ids)
+
+
+class TwoLayers(nn.Module):
+    """Two MoE layers built from fused_experts, with residual connections."""
+
+    def __init__(self, num_experts: int = 8, hidden: int = 256, intermediate: int = 128):
+        super().__init__()
+        self.layers = nn.ModuleList(Experts(num_experts, hidden, intermediate) for _ in range(2))
+
+    def forward(self, x, topk_weights, topk_ids):
+        for layer in self.layers:
+            x = x + layer(x, topk_weights, topk_ids)
+        return x
+
+
+@pytest.fixture(autouse=True)
+def restore_state():
+    saved = inductor_config.post_grad_custom_post_pass
+    yield
+    torch.cuda.set_sync_debug_mode("default")
+    lowering.uninstall()
+    inductor_config.post_grad_custom_post_pass = saved
+    torch._dynamo.reset()  # also drops the cudagraph trees
+
+
+def sync_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+
+
+def recorded_cuda_graphs() -> int:
+    """How many CUDA graphs the cudagraph trees of the current device have recorded (as roots)."""
+    manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    return 0 if manager is None else sum(len(nodes) for nodes in manager.roots.values())
+
+
+def new_routings(m: int, num_experts: int, count: int):
+    """`count` different routings for m tokens, made on the GPU before any replay."""
+    return [moe_ops.route(torch.randn(m, num_experts, device="cuda"), TOP_K) for _ in range(count)]
+
+
+@pytest.mark.gpu
+def test_sync_debug_mode_reports_a_sync():
+    """Positive control for the no-sync check below: a host sync is recorded by the same filter."""
+    t = torch.ones(4, device="cuda")
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t.sum()  # no sync
+            assert not sync_warnings(caught)
+            t.sum().item()  # a device-to-host copy: a sync
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert any("called a synchronizing CUDA operation" in w for w in sync_warnings(caught))
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_replays_match_eager_without_recompiles_or_syncs():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TwoLayers().to(device="cuda", dtype=DTYPE).eval()
+    hidden = model.layers[0].w13.shape[2]
+    num_experts = model.layers[0].w13.shape[0]
+    reports: list = []
+    skips_before = counters["inductor"]["cudagraph_skips"]
+    with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), lowering.enabled() as moe_pass:
+        moe_pass.listeners.append(reports)  # the FX graph cache is off, so the pass runs for each size
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        graphs_before = counters["stats"]["unique_graphs"]
+        for i, m in enumerate(SIZES):
+            x = torch.randn(m, hidden, device="cuda", dtype=DTYPE)
+            routings = new_routings(m, num_experts, 1 + REPLAYS)
+            topk_weights, topk_ids = (t.clone() for t in routings[0])
+            for _ in range(WARMUP_CALLS):
+                torch.compiler.cudagraph_mark_step_begin()
+                first = compiled(x, topk_weights, topk_ids).clone()
+            assert counters["stats"]["unique_graphs"] - graphs_before == i + 1, f"size {m}: not exactly one compile"
+            assert recorded_cuda_graphs() == i + 1, f"size {m}: not captured in one CUDA graph"
+            ref = model(x, topk_weights, topk_ids)
+            assert relative_error(first, ref) <= tolerance(DTYPE)
+            torch.cuda.synchronize()
+
+            outs = []
+            # Set outside the recording block: turning the mode on warns once that it is a prototype.
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    for new_weights, new_ids in routings[1:]:
+                        topk_weights.copy_(new_weights)  # new routing, same tensors and shapes
+                        topk_ids.copy_(new_ids)
+                        torch.compiler.cudagraph_mark_step_begin()
+                        outs.append(compiled(x, topk_weights, topk_ids).clone())
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+            assert not sync_warnings(caught), f"size {m}: host syncs during replays: {sync_warnings(caught)}"
+            assert counters["stats"]["unique_graphs"] - graphs_before == i + 1, f"size {m}: replays recompiled"
+            assert recorded_cuda_graphs() == i + 1, f"size {m}: replays re-recorded instead of replaying"
+
+            for j, ((new_weights, new_ids), out) in enumerate(zip(routings[1:], outs)):
+                ref = model(x, new_weights, new_ids)
+                err = relative_error(out, ref)
+                assert err <= tolerance(DTYPE), f"size {m}, replay {j}: relative error {err}"
+            # Each replay read its own routing (not the captured one).
+            assert not torch.equal(outs[0], outs[1])
+            assert not torch.equal(outs[0], first)
+
+    assert counters["inductor"]["cudagraph_skips"] == skips_before, "Inductor did not use CUDA graphs"
+    # One graph per captured size, each with both MoE layers fused.
+    assert len(reports) == len(SIZES)
+    for _, report in reports:
+        assert len(report.fused) == 2 and report.unfused == []
+
