@@ -121,7 +121,8 @@ class MoEFusionPass(CustomGraphPass):
         prev_list = prev if isinstance(prev, (list, tuple)) else [prev]
         ids = []
         for p in prev_list:
-            if not hasattr(p, "uuid"):
-                return None  # a plain callable cannot be hashed: no caching, as Inductor does for it
-            ids.append(p.uuid())
+            uid = p.uuid() if hasattr(p, "uuid") else None
+            if uid is None:
+                return None  # the previous pass cannot be hashed or opts out of caching: so do we
+            ids.append(uid)
         return (ours, *ids)

@@ -48,9 +48,11 @@ def enabled(*, require_kernels: bool | None = None):
     """Context manager: the pass is installed inside, and the previous state restored after (if the
     pass was installed already, it stays installed)."""
     was_installed = installed() is not None
+    require_before = backend.REQUIRE_KERNELS["value"]
     install(require_kernels=require_kernels)
     try:
         yield _state["pass"]
     finally:
         if not was_installed:
             uninstall()
+        backend.REQUIRE_KERNELS["value"] = require_before

@@ -105,6 +105,7 @@ class FusedMoE(nn.Module):
         if self.scheme.weight is None:
             self.w13 = nn.Parameter(w13, requires_grad=False)
             self.w2 = nn.Parameter(w2, requires_grad=False)
+            self._refresh_quant_config()
             return
         cal = calibration if calibration is not None else getattr(self, "_calibration", None)
         q13, q2, config = quantize_weights(self.scheme, w13, w2, calibration=cal)
@@ -113,12 +114,23 @@ class FusedMoE(nn.Module):
         for name in _CONFIG_BUFFERS:
             self.register_buffer(name, getattr(config, name))
         self._calibration = cal
+        self._refresh_quant_config()
 
     def quant_config(self) -> QuantConfig:
-        """The QuantConfig of this layer's buffers (biases are passed separately)."""
-        if self.scheme.weight is None:
-            return QuantConfig(self.scheme)
-        return QuantConfig(self.scheme, **{name: getattr(self, name) for name in _CONFIG_BUFFERS})
+        """The QuantConfig of this layer's buffers (biases are passed separately). Built when the
+        buffers change (construction, load_weights, .to()), never in forward: torch 2.11's Dynamo
+        cannot build it inside a compiled region."""
+        return self._quant_config
+
+    def _refresh_quant_config(self) -> None:
+        buffers = {} if self.scheme.weight is None else {name: getattr(self, name) for name in _CONFIG_BUFFERS}
+        self._quant_config = QuantConfig(self.scheme, **buffers)
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() / .half() replace the buffers; the config must point at the new ones.
+        out = super()._apply(fn, recurse)
+        self._refresh_quant_config()
+        return out
 
     def routing_for(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, H] -> (topk_weights float32 [M, k], topk_ids int32 [M, k]) from this layer's router."""
@@ -135,7 +147,7 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = self.routing_for(x)
         out = fused_experts(
             x, self.w13, self.w2, topk_weights, topk_ids,
-            activation=self.activation, quant_config=self.quant_config(),
+            activation=self.activation, quant_config=self._quant_config,
             w13_bias=self.w13_bias, w2_bias=self.w2_bias,
         )  # fmt: skip
         return out.reshape(shape)

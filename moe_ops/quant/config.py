@@ -85,6 +85,13 @@ class QuantConfig:
                     f"QuantConfig.{name}: given, but scheme {self.scheme.describe()} does not use it; "
                     f"it uses: {', '.join(sorted(need)) or 'no scale tensors'}"
                 )
+        if not torch.compiler.is_compiling():
+            # Scales, zero points and biases are shaped by the weights: constants of the model. Marked
+            # static, a compiled model reading them through this config neither treats their sizes as
+            # symbols nor duck-sizes a scale dimension of 1 with a token count of 1.
+            for name in _TENSOR_FIELDS:
+                if getattr(self, name) is not None:
+                    torch._dynamo.mark_static(getattr(self, name))
 
     @property
     def name(self) -> str:

@@ -29,11 +29,13 @@ class Experts(nn.Module):
         self.register_buffer("b13", w13_bias)
         self.register_buffer("b2", w2_bias)
 
+        # Built here, not in forward: torch 2.11's Dynamo cannot build a QuantConfig in-graph.
+        self.config = Q.QuantConfig(self.scheme, **{k: getattr(self, v) for k, v in self.tensors.items()})
+
     def forward(self, x, topk_weights, topk_ids):
-        config = Q.QuantConfig(self.scheme, **{k: getattr(self, v) for k, v in self.tensors.items()})
         return moe_ops.fused_experts(
             x, self.w13, self.w2, topk_weights, topk_ids,
-            activation=self.activation, quant_config=config, w13_bias=self.b13, w2_bias=self.b2,
+            activation=self.activation, quant_config=self.config, w13_bias=self.b13, w2_bias=self.b2,
         )  # fmt: skip
 
 

@@ -334,11 +334,6 @@ class UncacheablePass(CountingPass):
         return None
 
 
-@pytest.mark.xfail(
-    reason="BUG: lowering/graph_pass.py MoEFusionPass.uuid (lines 123-127) returns (ours, None) for a previous "
-    "CustomGraphPass whose uuid() is None; that tuple is truthy, so Inductor caches graphs that pass opted out of",
-    strict=True,
-)
 def test_previous_pass_opting_out_of_caching_disables_caching(tmp_path, monkeypatch):
     previous = UncacheablePass()
     inductor_config.post_grad_custom_post_pass = previous
@@ -355,11 +350,6 @@ def test_previous_pass_opting_out_of_caching_disables_caching(tmp_path, monkeypa
     assert moe_pass.uuid() is None
 
 
-@pytest.mark.xfail(
-    reason="BUG: lowering/install.py enabled() (lines 50-56) restores require_kernels only through uninstall(), "
-    "which it skips when the pass was installed already, so enabled(require_kernels=True) leaks the setting",
-    strict=True,
-)
 def test_enabled_restores_require_kernels_when_already_installed():
     from lowering import backend
 

@@ -46,21 +46,21 @@ buf# = torch.ops.moe_ops.down_reduce.default(buf#, None, None, 'none', [-1, -1],
     def test_fp8_block(self):
         e = self.explain("fp8_block")
         self.assertExpectedInline(str(e), """\
-in0: f32[4, 2, 2]
-in1: f32[4, 2, 1]
-in2: f8e4m3[4, 256, 256]
-in3: f8e4m3[4, 256, 128]
-in4: f32[S0, 256]
-in5: f32[S0, S1]
-in6: i32[S0, S1]
-v0: (i32[5], i32[S0*S1], i32[S0*S1]) = moe_ops.routing_plan(in6, 4, None)
+in0: f8e4m3[4, 256, 256]
+in1: f8e4m3[4, 256, 128]
+in2: f32[S0, 256]
+in3: f32[S0, S1]
+in4: i32[S0, S1]
+in5: f32[4, 2, 2]
+in6: f32[4, 2, 1]
+v0: (i32[5], i32[S0*S1], i32[S0*S1]) = moe_ops.routing_plan(in4, 4, None)
 v1: i32[5] = getitem(v0, 0)
 v2: i32[S0*S1] = getitem(v0, 1)
 v3: i32[S0*S1] = getitem(v0, 2)
-v4: (f8e4m3[S0*S1, 128], f32[S0*S1, 1]) = moe_ops.gate_up(in4, None, None, 'fp8', [1, 128], in2, in0, None, None, 'fp8', [128, 128], None, v1, v2, 'silu', 1.702, 7.0, False, 'fp8', [1, 128], None, None, f32)
+v4: (f8e4m3[S0*S1, 128], f32[S0*S1, 1]) = moe_ops.gate_up(in2, None, None, 'fp8', [1, 128], in0, in5, None, None, 'fp8', [128, 128], None, v1, v2, 'silu', 1.702, 7.0, False, 'fp8', [1, 128], None, None, f32)
 v5: f8e4m3[S0*S1, 128] = getitem(v4, 0)
 v6: f32[S0*S1, 1] = getitem(v4, 1)
-v7: f32[S0, 256] = moe_ops.down_reduce(v5, v6, None, 'fp8', [1, 128], in3, in1, None, None, 'fp8', [128, 128], None, v1, in5, v3, f32)
+v7: f32[S0, 256] = moe_ops.down_reduce(v5, v6, None, 'fp8', [1, 128], in1, in6, None, None, 'fp8', [128, 128], None, v1, in3, v3, f32)
 return [v7]
 
 | layer | fused ops | recipe | dtypes | backend / reason |
@@ -74,21 +74,21 @@ buf# = torch.ops.moe_ops.down_reduce.default(buf#, buf#, None, 'fp8', [1, 128], 
     def test_fp8_per_tensor(self):
         e = self.explain("fp8_per_tensor")
         self.assertExpectedInline(str(e), """\
-in0: f32[4, 1, 1]
-in1: f32[4, 1, 1]
-in2: f8e4m3[4, 256, 256]
-in3: f8e4m3[4, 256, 128]
-in4: f32[S0, 256]
-in5: f32[S0, S1]
-in6: i32[S0, S1]
-v0: (i32[5], i32[S0*S1], i32[S0*S1]) = moe_ops.routing_plan(in6, 4, None)
+in0: f8e4m3[4, 256, 256]
+in1: f8e4m3[4, 256, 128]
+in2: f32[S0, 256]
+in3: f32[S0, S1]
+in4: i32[S0, S1]
+in5: f32[4, 1, 1]
+in6: f32[4, 1, 1]
+v0: (i32[5], i32[S0*S1], i32[S0*S1]) = moe_ops.routing_plan(in4, 4, None)
 v1: i32[5] = getitem(v0, 0)
 v2: i32[S0*S1] = getitem(v0, 1)
 v3: i32[S0*S1] = getitem(v0, 2)
-v4: (f8e4m3[S0*S1, 128], f32[1, 1]) = moe_ops.gate_up(in4, None, None, 'fp8', [-1, -1], in2, in0, None, None, 'fp8', [-1, -1], None, v1, v2, 'silu', 1.702, 7.0, False, 'fp8', [-1, -1], None, None, f32)
+v4: (f8e4m3[S0*S1, 128], f32[1, 1]) = moe_ops.gate_up(in2, None, None, 'fp8', [-1, -1], in0, in5, None, None, 'fp8', [-1, -1], None, v1, v2, 'silu', 1.702, 7.0, False, 'fp8', [-1, -1], None, None, f32)
 v5: f8e4m3[S0*S1, 128] = getitem(v4, 0)
 v6: f32[1, 1] = getitem(v4, 1)
-v7: f32[S0, 256] = moe_ops.down_reduce(v5, v6, None, 'fp8', [-1, -1], in3, in1, None, None, 'fp8', [-1, -1], None, v1, in5, v3, f32)
+v7: f32[S0, 256] = moe_ops.down_reduce(v5, v6, None, 'fp8', [-1, -1], in1, in6, None, None, 'fp8', [-1, -1], None, v1, in3, v3, f32)
 return [v7]
 
 | layer | fused ops | recipe | dtypes | backend / reason |
@@ -102,22 +102,22 @@ buf# = torch.ops.moe_ops.down_reduce.default(buf#, buf#, None, 'fp8', [-1, -1], 
     def test_int4_w4a16(self):
         e = self.explain("int4_w4a16")
         self.assertExpectedInline(str(e), """\
-in0: f32[4, 256, 4]
-in1: f32[4, 256, 2]
-in2: u8[4, 256, 4]
-in3: u8[4, 256, 2]
-in4: u8[4, 256, 128]
-in5: u8[4, 256, 64]
-in6: f32[S0, 256]
-in7: f32[S0, S1]
-in8: i32[S0, S1]
-v0: (i32[5], i32[S0*S1], i32[S0*S1]) = moe_ops.routing_plan(in8, 4, None)
+in0: u8[4, 256, 128]
+in1: u8[4, 256, 64]
+in2: f32[S0, 256]
+in3: f32[S0, S1]
+in4: i32[S0, S1]
+in5: f32[4, 256, 4]
+in6: f32[4, 256, 2]
+in7: u8[4, 256, 4]
+in8: u8[4, 256, 2]
+v0: (i32[5], i32[S0*S1], i32[S0*S1]) = moe_ops.routing_plan(in4, 4, None)
 v1: i32[5] = getitem(v0, 0)
 v2: i32[S0*S1] = getitem(v0, 1)
 v3: i32[S0*S1] = getitem(v0, 2)
-v4: (f32[S0*S1, 128], f32[0]) = moe_ops.gate_up(in6, None, None, 'none', [-1, -1], in4, in0, None, in2, 'int4', [1, 64], None, v1, v2, 'silu', 1.702, 7.0, False, 'none', [-1, -1], None, None, f32)
+v4: (f32[S0*S1, 128], f32[0]) = moe_ops.gate_up(in2, None, None, 'none', [-1, -1], in0, in5, None, in7, 'int4', [1, 64], None, v1, v2, 'silu', 1.702, 7.0, False, 'none', [-1, -1], None, None, f32)
 v5: f32[S0*S1, 128] = getitem(v4, 0)
-v6: f32[S0, 256] = moe_ops.down_reduce(v5, None, None, 'none', [-1, -1], in5, in1, None, in3, 'int4', [1, 64], None, v1, in7, v3, f32)
+v6: f32[S0, 256] = moe_ops.down_reduce(v5, None, None, 'none', [-1, -1], in1, in6, None, in8, 'int4', [1, 64], None, v1, in3, v3, f32)
 return [v6]
 
 | layer | fused ops | recipe | dtypes | backend / reason |
