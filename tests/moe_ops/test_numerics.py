@@ -1,0 +1,735 @@
+"""Numerics of moe_ops on fresh random inputs against independent float64 re-computations:
+routing (a per-row Python loop here), fused_experts for every activation and every quantization
+scheme (against moe_ops.reference.moe_float64 fed with weights decoded here, independently of
+moe_ops.quant.formats), edge cases of the layer, routing_plan's invariants and weighted_reduce.
+Tolerances come from moe_ops.reference only."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import moe_ops
+from moe_ops import Activation, fused_experts, route
+from moe_ops.plan import routing_plan
+from moe_ops.quant import (
+    FACTORIES,
+    SCHEMES,
+    ActivationQuant,
+    GroupShape,
+    QuantScheme,
+    WeightQuant,
+    quantize_weights,
+)
+from moe_ops.reduce import weighted_reduce
+from moe_ops.reference import apply_activation, fake_quantize, moe_float64, relative_error, tolerance
+
+PER_TENSOR, PER_ROW = GroupShape(-1, -1), GroupShape(1, -1)
+
+
+def random_ids(m: int, k: int, num_experts: int, dtype=torch.int32) -> torch.Tensor:
+    """k distinct experts per token, uniformly."""
+    return torch.rand(m, num_experts).argsort(dim=1)[:, :k].to(dtype).contiguous()
+
+
+def random_layer(m, hidden, inter, num_experts, top_k, gated=True, dtype=torch.float32, w_scale=1.0):
+    x = torch.randn(m, hidden)
+    w13 = torch.randn(num_experts, (2 if gated else 1) * inter, hidden) * (w_scale / hidden**0.5)
+    w2 = torch.randn(num_experts, hidden, inter) / inter**0.5
+    ids = random_ids(m, top_k, num_experts)
+    weights = torch.rand(m, top_k) + 0.1
+    return x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids
+
+
+def assert_close_rel(out, ref, tol, what=""):
+    err = relative_error(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.3e} > tolerance {tol:.3e}"
+
+
+# ==== routing =====================================================================================
+
+# Elementwise relative tolerance of routing weights computed in float32 against float64. The table
+# in moe_ops.reference has no per-element routing entry; DTYPE_TOLERANCE[float32] is a norm bound
+# for a whole layer, so the routing check uses the tighter 1e-6 it was specified with.
+ROUTE_RTOL = 1e-6
+
+
+def route_float64(logits, top_k, scoring, renormalize, num_expert_group=None, topk_group=None, bias=None, scale=1.0):
+    """Per-row Python loop in float64; returns (weights [M, k] as lists, ids as lists)."""
+    out_w, out_ids = [], []
+    num_experts = logits.shape[1]
+    bias = [0.0] * num_experts if bias is None else [float(b) for b in bias.double()]
+    for row in logits.double().tolist():
+        if scoring == "softmax":
+            top = max(row)
+            ex = [math.exp(v - top) for v in row]
+            scores = [v / sum(ex) for v in ex]
+        else:
+            scores = [1.0 / (1.0 + math.exp(-v)) for v in row]
+        sel = [s + b for s, b in zip(scores, bias)]
+        candidates = list(range(num_experts))
+        if num_expert_group:
+            size = num_experts // num_expert_group
+            group_score = []
+            for g in range(num_expert_group):
+                vals = sorted(sel[g * size : (g + 1) * size], reverse=True)
+                group_score.append(sum(vals[:2]) if any(bias) else vals[0])
+            kept = sorted(range(num_expert_group), key=lambda g: -group_score[g])[:topk_group]
+            candidates = [e for e in candidates if e // size in kept]
+        chosen = sorted(candidates, key=lambda e: -sel[e])[:top_k]
+        w = [scores[e] for e in chosen]
+        if renormalize:
+            w = [v / sum(w) for v in w]
+        out_w.append([v * scale for v in w])
+        out_ids.append(chosen)
+    return out_w, out_ids
+
+
+# name -> (route kwargs, E, k)
+ROUTING_METHODS = {
+    "softmax_topk": (dict(scoring="softmax", renormalize=False), 16, 4),
+    "softmax_topk_renormalized": (dict(scoring="softmax", renormalize=True), 16, 4),
+    "sigmoid_top1_llama4": (dict(scoring="sigmoid", renormalize=False), 16, 1),
+    "sigmoid_topk_renormalized": (dict(scoring="sigmoid", renormalize=True), 16, 4),
+    "deepseek_v3_grouped": (
+        dict(scoring="sigmoid", renormalize=True, num_expert_group=8, topk_group=4, routed_scaling_factor=2.5, bias=True),
+        64, 8,
+    ),  # fmt: skip
+    "grouped_no_bias": (dict(scoring="softmax", renormalize=True, num_expert_group=4, topk_group=2), 32, 6),
+}
+
+
+def _route_args(method):
+    kwargs, num_experts, top_k = ROUTING_METHODS[method]
+    kwargs = dict(kwargs)
+    bias = torch.randn(num_experts) * 0.5 if kwargs.pop("bias", False) else None
+    return kwargs, bias, num_experts, top_k
+
+
+@pytest.mark.parametrize("method", list(ROUTING_METHODS))
+def test_route_matches_float64(method):
+    kwargs, bias, num_experts, top_k = _route_args(method)
+    logits = torch.randn(64, num_experts) * 2
+    weights, ids = route(logits, top_k, e_score_correction_bias=bias, **kwargs)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert weights.shape == ids.shape == (64, top_k)
+    ref_w, ref_ids = route_float64(
+        logits, top_k, kwargs["scoring"], kwargs["renormalize"], kwargs.get("num_expert_group"),
+        kwargs.get("topk_group"), bias, kwargs.get("routed_scaling_factor", 1.0),
+    )  # fmt: skip
+    for m in range(64):
+        got = dict(zip(ids[m].tolist(), weights[m].double().tolist()))
+        want = dict(zip(ref_ids[m], ref_w[m]))
+        assert set(got) == set(want), f"row {m}: ids {sorted(got)} != {sorted(want)}"
+        for e, w in want.items():
+            assert abs(got[e] - w) <= ROUTE_RTOL * abs(w), f"row {m}, expert {e}: weight {got[e]} != {w}"
+
+
+def test_deepseek_bias_steers_selection_only():
+    """A large correction bias forces experts into the selection, but their weights stay unbiased."""
+    num_experts, top_k = 64, 8
+    logits = torch.randn(32, num_experts)
+    bias = torch.zeros(num_experts)
+    bias[[5, 40]] = 100.0  # in groups 0 and 5 of 8: both groups win and both experts are chosen
+    weights, ids = route(logits, top_k, scoring="sigmoid", renormalize=False, num_expert_group=8, topk_group=4,
+                         e_score_correction_bias=bias)  # fmt: skip
+    sig = torch.sigmoid(logits.double())
+    for m in range(32):
+        row = ids[m].tolist()
+        assert 5 in row and 40 in row
+        for j, e in enumerate(row):
+            assert abs(weights[m, j].item() - sig[m, e].item()) <= ROUTE_RTOL * sig[m, e].item()
+
+
+@pytest.mark.parametrize("method", list(ROUTING_METHODS))
+def test_route_nan_logits_do_not_crash(method):
+    kwargs, bias, num_experts, top_k = _route_args(method)
+    logits = torch.randn(16, num_experts)
+    logits[3, 5] = float("nan")
+    logits[7] = float("nan")
+    logits[11, ::2] = float("nan")
+    weights, ids = route(logits, top_k, e_score_correction_bias=bias, **kwargs)
+    assert ((ids >= 0) & (ids < num_experts)).all()
+    # rows without NaN are routed as without the NaN rows (not bit-exactly: the batch size may change
+    # the vectorization)
+    clean = [m for m in range(16) if m not in (3, 7, 11)]
+    w_clean, ids_clean = route(logits[clean], top_k, e_score_correction_bias=bias, **kwargs)
+    assert torch.equal(ids[clean], ids_clean)
+    assert torch.allclose(weights[clean], w_clean, rtol=ROUTE_RTOL, atol=0)
+    # and through the plan, nothing is out of bounds
+    offsets, gather_idx, inverse = routing_plan(ids, num_experts, None)
+    assert offsets[-1].item() == ids.numel()
+
+
+_SIGMOID_NAN_BUG = pytest.mark.xfail(
+    reason="BUG: moe_ops/routing.py: sigmoid scoring keeps finite weights for a row with a NaN logit "
+    "(NaN ranks last and is never selected), contradicting the module docstring 'the weights of a row "
+    "with NaN logits are NaN'",
+    strict=True,
+)
+
+
+@pytest.mark.parametrize(
+    "method",
+    [m if ROUTING_METHODS[m][0]["scoring"] == "softmax" else pytest.param(m, marks=_SIGMOID_NAN_BUG)
+     for m in ROUTING_METHODS],
+)  # fmt: skip
+def test_route_nan_row_weights_are_nan(method):
+    """Documented in moe_ops/routing.py: 'the weights of a row with NaN logits are NaN'."""
+    kwargs, bias, num_experts, top_k = _route_args(method)
+    logits = torch.randn(8, num_experts)
+    logits[2, 1] = float("nan")
+    weights, _ = route(logits, top_k, e_score_correction_bias=bias, **kwargs)
+    assert weights[2].isnan().all(), f"row with a NaN logit got weights {weights[2].tolist()}"
+    assert not weights[[0, 1, 3, 4, 5, 6, 7]].isnan().any()
+
+
+# ==== activations through fused_experts ===========================================================
+
+ACTIVATION_CASES = {
+    "silu": Activation("silu"),
+    "gelu": Activation("gelu"),
+    "gelu_tanh": Activation("gelu_tanh"),
+    "swigluoai": Activation("swigluoai"),
+    "swigluoai_interleaved": Activation("swigluoai", interleaved=True),
+    "swigluoai_alpha_limit": Activation("swigluoai", alpha=1.2, limit=1.5, interleaved=True),
+    "silu_interleaved": Activation("silu", interleaved=True),
+    "relu2": Activation("relu2"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(ACTIVATION_CASES))
+def test_activation_vs_float64(case, dtype):
+    act = ACTIVATION_CASES[case]
+    num_experts, hidden, inter, m, top_k = 6, 64, 48, 37, 2
+    swiglu = act.kind == "swigluoai"
+    x, w13, w2, tw, ids = random_layer(m, hidden, inter, num_experts, top_k, act.gated, dtype, w_scale=3.0 if swiglu else 1.0)
+    b13 = b2 = None
+    if swiglu:  # gpt-oss has biases; pre-activations exceed the limit so the clamps are exercised
+        b13 = torch.randn(num_experts, w13.shape[1]).to(dtype)
+        b2 = torch.randn(num_experts, hidden).to(dtype)
+        pre = torch.einsum("mh,enh->men", x.double(), w13.double())
+        assert (pre.abs() > act.limit).any()
+    out = fused_experts(x, w13, w2, tw, ids, activation=act, w13_bias=b13, w2_bias=b2)
+    assert out.shape == (m, hidden) and out.dtype == dtype
+    ref = moe_float64(x, w13, w2, tw, ids, activation=act, w13_bias=b13, w2_bias=b2,
+                      intermediate_dtype=torch.bfloat16 if dtype == torch.bfloat16 else None)  # fmt: skip
+    assert_close_rel(out, ref, tolerance(dtype), case)
+
+
+def test_swigluoai_against_formula():
+    """moe_float64's activation against gpt-oss' formula written out here (so the reference itself is
+    checked): gate clamped above, up clamped both sides, gate * sigmoid(alpha * gate) * (up + 1)."""
+    h = torch.randn(20, 16, dtype=torch.float64) * 6
+    gate, up = h[:, 0::2], h[:, 1::2]
+    g = torch.minimum(gate, torch.tensor(7.0, dtype=torch.float64))
+    u = up.clamp(-7.0, 7.0)
+    want = g * torch.sigmoid(1.702 * g) * (u + 1)
+    got = apply_activation(h, "swigluoai", 1.702, 7.0, interleaved=True)
+    assert_close_rel(got, want, tolerance(torch.float32), "reference swigluoai")
+    assert not torch.equal(got, apply_activation(h, "swigluoai", 1.702, 7.0, interleaved=False))
+    op = moe_ops.activation.activation(h.float(), "swigluoai", 1.702, 7.0, True)
+    assert_close_rel(op, want, tolerance(torch.float32), "moe_ops::activation swigluoai")
+
+
+# ==== quantization schemes ========================================================================
+
+# Independent float64 decoders (bit operations and Python tables; no moe_ops.quant.formats).
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _e4m3fn_value(byte: int) -> float:
+    sign = -1.0 if byte & 0x80 else 1.0
+    exp, man = (byte >> 3) & 0xF, byte & 0x7
+    if exp == 0xF and man == 0x7:
+        return math.nan
+    if exp == 0:
+        return sign * man / 8.0 * 2.0**-6
+    return sign * (1.0 + man / 8.0) * 2.0 ** (exp - 7)
+
+
+E4M3FN = torch.tensor([_e4m3fn_value(b) for b in range(256)], dtype=torch.float64)
+
+
+def decode_e4m3(t: torch.Tensor) -> torch.Tensor:
+    return E4M3FN[t.view(torch.uint8).long()]
+
+
+def decode_e2m1_packed(packed: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(E2M1, dtype=torch.float64)
+    return table[unpack_nibbles_bits(packed)]
+
+
+def unpack_nibbles_bits(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., C/2] -> int64 [..., C]: element 2j from the low nibble of byte j, 2j+1 from the high."""
+    b = packed.long()
+    out = torch.empty(*b.shape[:-1], 2 * b.shape[-1], dtype=torch.long)
+    out[..., 0::2] = b & 0xF
+    out[..., 1::2] = (b >> 4) & 0xF
+    return out
+
+
+def decode_e8m0(t: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([2.0 ** (b - 127) for b in t.flatten().tolist()], dtype=torch.float64).reshape(t.shape)
+
+
+def expand(scale: torch.Tensor, group: GroupShape, rows: int, cols: int) -> torch.Tensor:
+    """[E, R/gr, C/gc] -> [E, R, C] with each group's scale repeated."""
+    gr = rows if group.rows == -1 else group.rows
+    gc = cols if group.cols == -1 else group.cols
+    return scale.repeat_interleave(gr, dim=1)[:, :rows].repeat_interleave(gc, dim=2)[:, :, :cols]
+
+
+def decode_weight(q: torch.Tensor, wq: WeightQuant | None, scale=None, global_scale=None, zero=None) -> torch.Tensor:
+    """Stored weight [E, N, K/packing] -> float64 [E, N, K]."""
+    if wq is None:
+        return q.double()
+    if wq.dtype == "fp8":
+        values, s = decode_e4m3(q), scale.double()
+    elif wq.dtype == "int8":
+        values, s = q.double(), scale.double()
+    elif wq.dtype == "int4":
+        codes = unpack_nibbles_bits(q).double()
+        z = expand(zero.double(), wq.group, *codes.shape[1:]) if zero is not None else 8.0
+        values, s = codes - z, scale.double()
+    elif wq.dtype == "nvfp4":
+        values, s = decode_e2m1_packed(q), decode_e4m3(scale) * global_scale.double().view(-1, 1, 1)
+    elif wq.dtype == "mxfp4":
+        values, s = decode_e2m1_packed(q), decode_e8m0(scale)
+    else:
+        raise AssertionError(wq.dtype)
+    return values * expand(s, wq.group, *values.shape[1:])
+
+
+# name -> QuantScheme; every entry of SCHEMES appears (test_every_scheme_is_covered).
+QUANT_CASES = {
+    "unquantized": QuantScheme(),
+    "fp8_w8a8_per_tensor_static": QuantScheme(ActivationQuant("fp8", PER_TENSOR, static=True), WeightQuant("fp8", PER_TENSOR)),
+    "fp8_w8a8_per_tensor_dynamic": QuantScheme(ActivationQuant("fp8", PER_TENSOR), WeightQuant("fp8", PER_TENSOR)),
+    "fp8_w8a8_per_token": QuantScheme(ActivationQuant("fp8", PER_ROW), WeightQuant("fp8", PER_ROW)),
+    "fp8_w8a8_block": QuantScheme(ActivationQuant("fp8", GroupShape(1, 32)), WeightQuant("fp8", GroupShape(32, 32))),
+    "int8_w8a8_dynamic": QuantScheme(ActivationQuant("int8", PER_ROW), WeightQuant("int8", PER_ROW)),
+    "int8_w8a8_static": QuantScheme(ActivationQuant("int8", PER_TENSOR, static=True), WeightQuant("int8", PER_ROW)),
+    "fp8_w8a16_per_tensor": QuantScheme(None, WeightQuant("fp8", PER_TENSOR)),
+    "fp8_w8a16_per_channel": QuantScheme(None, WeightQuant("fp8", PER_ROW)),
+    "fp8_w8a16_block": QuantScheme(None, WeightQuant("fp8", GroupShape(32, 32))),
+    "int8_w8a16_per_channel": QuantScheme(None, WeightQuant("int8", PER_ROW)),
+    "int8_w8a16_group": QuantScheme(None, WeightQuant("int8", GroupShape(1, 32))),
+    "int4_w4a16_symmetric": QuantScheme(None, WeightQuant("int4", GroupShape(1, 32))),
+    "int4_w4a16_zero_point": QuantScheme(None, WeightQuant("int4", GroupShape(1, 32), zero_point=True)),
+    "nvfp4_w4a16": QuantScheme(None, WeightQuant("nvfp4", GroupShape(1, 16))),
+    "nvfp4_w4a4": QuantScheme(ActivationQuant("nvfp4", GroupShape(1, 16)), WeightQuant("nvfp4", GroupShape(1, 16))),
+    "mxfp4_w4a16": QuantScheme(None, WeightQuant("mxfp4", GroupShape(1, 32))),
+    "mxfp4_w4a8_per_tensor_static": QuantScheme(ActivationQuant("fp8", PER_TENSOR, static=True), WeightQuant("mxfp4", GroupShape(1, 32))),
+    "mxfp4_w4a8_per_tensor_dynamic": QuantScheme(ActivationQuant("fp8", PER_TENSOR), WeightQuant("mxfp4", GroupShape(1, 32))),
+    "mxfp4_w4a8_per_token": QuantScheme(ActivationQuant("fp8", PER_ROW), WeightQuant("mxfp4", GroupShape(1, 32))),
+}  # fmt: skip
+BIASED = {"mxfp4_w4a16", "int4_w4a16_zero_point", "fp8_w8a8_per_token"}
+ACT_MAX = {"fp8": 448.0, "int8": 127.0, "nvfp4": 448.0 * 6.0}
+
+
+def test_every_scheme_is_covered():
+    assert {s.name for s in QUANT_CASES.values()} == set(SCHEMES) == set(FACTORIES)
+
+
+def _sizes(scheme: QuantScheme) -> tuple[int, int, int]:
+    """(M, H, I). The op rounds GEMM1's output in float32 and the reference in float64, so now and then
+    an element of GEMM2's input lands on the other side of a rounding boundary and moves by one
+    quantization step; one such step weighs ~1/sqrt(M * I) of the output, so the layer is made large
+    enough that FAKE_QUANT_TOLERANCE covers it with margin (per-tensor schemes cost nothing more in
+    the float64 re-quantization, so they get the largest layer: their steps are the coarsest)."""
+    a = scheme.activation
+    if a is not None and a.group.kind == "per-tensor":
+        return 1024, 64, 512
+    return 256, 64, 256
+
+
+def _quant_layer(case, dtype, m=None, num_experts=5, top_k=2):
+    scheme = QUANT_CASES[case]
+    m_default, hidden, inter = _sizes(scheme)
+    m = m_default if m is None else m
+    x, w13, w2, tw, ids = random_layer(m, hidden, inter, num_experts, top_k)
+    biases = {}
+    if case in BIASED:
+        biases = dict(w13_bias=torch.randn(num_experts, 2 * inter).to(dtype), w2_bias=torch.randn(num_experts, hidden).to(dtype))
+    q13, q2, config = quantize_weights(scheme, w13.to(dtype), w2.to(dtype), calibration=x, **biases)
+    assert config.name == scheme.name
+    wq = scheme.weight
+    d13 = decode_weight(q13, wq, config.w13_scale, config.w13_global_scale, config.w13_zero)
+    d2 = decode_weight(q2, wq, config.w2_scale, config.w2_global_scale, config.w2_zero)
+    if wq is not None:  # the decoded weights approximate the float ones (the quantizer is sane)
+        assert relative_error(d13, w13.to(dtype)) < 0.2 and relative_error(d2, w2.to(dtype)) < 0.2
+    return scheme, x.to(dtype), q13, q2, config, d13, d2, tw, ids, biases
+
+
+def _act_quant(scheme, config):
+    a = scheme.activation
+    if a is None:
+        return None
+    return (a.dtype, a.group.astuple(), config.a13_scale, config.a2_scale, config.a13_global_scale, config.a2_global_scale)
+
+
+# nvfp4 global scales are multiplied by this non-dyadic factor: with amax / (448 * 6) exactly, bf16
+# activations often land exactly on an e2m1 midpoint, and the encoder's tie rounding is a known bug
+# (test_quantize_op_e2m1_ties_match_reference) that would make the random tests fail at random.
+NVFP4_GLOBAL_NUDGE = 1.0 + 2.0**-6 / 3
+
+
+def _calibrated(scheme, config, x, d13, ids, num_experts, biases):
+    """Static activation scales (and nvfp4 global scales) from the real activations, as a calibration
+    would give them (quantize_weights only estimates GEMM2's input range as 4x GEMM1's)."""
+    a = scheme.activation
+    if a is None or not (a.static or a.dtype == "nvfp4"):
+        return config
+    xd = x.double()
+    h = []
+    for e in range(num_experts):
+        tok = (ids.long() == e).any(dim=1)
+        pre = xd[tok] @ d13[e].T
+        if "w13_bias" in biases:
+            pre = pre + biases["w13_bias"][e].double()
+        h.append(apply_activation(pre, "silu"))
+    amax13, amax2 = xd.abs().max().item(), torch.cat(h).abs().max().item()
+    key, nudge = ("global_scale", NVFP4_GLOBAL_NUDGE) if a.dtype == "nvfp4" else ("scale", 1.0)
+    new = {f"a{which}_{key}": torch.tensor([amax * nudge / ACT_MAX[a.dtype]]) for which, amax in (("13", amax13), ("2", amax2))}
+    return dataclasses.replace(config, **new)
+
+
+# fmt, group, dtypes of x
+QUANTIZE_OP_CASES = [
+    ("fp8", (-1, -1), True), ("fp8", (-1, -1), False), ("fp8", (1, -1), False), ("fp8", (1, 128), False),
+    ("int8", (1, -1), False), ("int8", (-1, -1), True), ("nvfp4", (1, 16), False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fmt,group,static", QUANTIZE_OP_CASES)
+def test_quantize_op_matches_fake_quantize(fmt, group, static, dtype):
+    """moe_ops::quantize, dequantized by the independent decoders here, equals the reference's float64
+    re-quantization (the one the layer tests rely on) element for element."""
+    m, k = 24, 320
+    x = (torch.randn(m, k) * torch.exp(torch.randn(m, 1))).to(dtype)
+    amax = x.double().abs().max().item()
+    scale = torch.tensor([amax / ACT_MAX[fmt] * 0.7]) if static else None  # 0.7: some values saturate
+    global_scale = torch.tensor([amax / ACT_MAX[fmt] * NVFP4_GLOBAL_NUDGE]) if fmt == "nvfp4" else None
+    q, s = moe_ops.quant.quantize.quantize(x, fmt, list(group), scale, global_scale)
+    if fmt == "nvfp4":
+        # the nvfp4 scale is block * global rounded to float32, as the reference and the op apply it
+        values, full = decode_e2m1_packed(q.unsqueeze(0))[0], (decode_e4m3(s) * global_scale.double()).float().double()
+    else:
+        values, full = (decode_e4m3(q) if fmt == "fp8" else q.double()), s.double()
+    gs = GroupShape(*group)
+    full = expand(full.unsqueeze(0), gs, m, k)[0]
+    got = values * full
+    want = fake_quantize(x.double(), fmt, group, scale, global_scale)
+    compared = torch.ones_like(got, dtype=torch.bool)
+    if fmt == "nvfp4":
+        # x / scale (in float32, as both compute it) may still land exactly on an e2m1 midpoint now and
+        # then; ties are the known bug of test_quantize_op_e2m1_ties_match_reference: compare the rest
+        ratio = (x.float() / full.float()).abs()
+        compared = ~torch.isin(ratio, torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]))
+        assert compared.float().mean() > 0.99
+    diff = (got != want) & compared
+    assert not diff.any(), f"{int(diff.sum())} of {got.numel()} elements differ"
+
+
+@pytest.mark.xfail(
+    reason="BUG: moe_ops/quant/formats.py e2m1_encode rounds e2m1 ties toward zero (torch.bucketize, "
+    "right=False), its docstring and reference.fake_quantize round them to the larger magnitude",
+    strict=True,
+)
+def test_quantize_op_e2m1_ties_match_reference():
+    """nvfp4 activations that sit exactly on e2m1 midpoints: with global scale 2**-8 and a block amax of
+    6 * 2**j, the block scale is 2**(j + 8) (exact in e4m3), so x / (block * global) is the midpoint."""
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    m, k = 8, 64
+    v = mids[torch.randint(0, 7, (m, k))] * torch.where(torch.rand(m, k) < 0.5, -1.0, 1.0)
+    v[:, ::16] = 6.0
+    x = v * 2.0 ** torch.randint(-4, 1, (m, k // 16)).float().repeat_interleave(16, dim=1)
+    g = torch.tensor([2.0**-8])
+    q, s = moe_ops.quant.quantize.quantize(x, "nvfp4", [1, 16], None, g)
+    got = decode_e2m1_packed(q.unsqueeze(0))[0] * expand(decode_e4m3(s).unsqueeze(0) * 2.0**-8, GroupShape(1, 16), m, k)[0]
+    want = fake_quantize(x.double(), "nvfp4", (1, 16), None, g)
+    assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} elements differ"
+
+
+QUANT_DTYPES = [(c, torch.float32) for c in QUANT_CASES] + [
+    (c, torch.bfloat16)
+    for c in ("fp8_w8a8_per_token", "int4_w4a16_zero_point", "nvfp4_w4a4", "mxfp4_w4a8_per_tensor_static", "int8_w8a8_dynamic")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case,dtype", QUANT_DTYPES, ids=[f"{c}-{str(d)[6:]}" for c, d in QUANT_DTYPES])
+def test_scheme_vs_float64_fake_quant(case, dtype):
+    """Activation quantization re-applied in the float64 reference: only rounding differences remain."""
+    scheme, x, q13, q2, config, d13, d2, tw, ids, biases = _quant_layer(case, dtype)
+    config = _calibrated(scheme, config, x, d13, ids, q13.shape[0], biases)
+    out = fused_experts(x, q13, q2, tw, ids, quant_config=config)
+    assert out.dtype == dtype and out.shape == x.shape
+    inter = torch.bfloat16 if dtype == torch.bfloat16 else None
+    ref = moe_float64(x, d13, d2, tw, ids, act_quant=_act_quant(scheme, config), intermediate_dtype=inter, **biases)
+    a_dtype = None if scheme.activation is None else scheme.activation.dtype
+    assert_close_rel(out, ref, tolerance(dtype, a_dtype, fake_quant=True), case)
+
+
+_INT8_STATIC_SKIP = pytest.mark.skip(
+    reason="not a bug, a tolerance-table gap: one static int8 step over the whole heavy-tailed intermediate "
+    "loses 4.5e-2 to 8.6e-2 (30 seeds, calibrated scales) against ACTIVATION_QUANT_TOLERANCE['int8'] + "
+    "DTYPE_TOLERANCE = 3.0e-2, measured for per-token int8; the op equals the float64 re-quantization "
+    "(test_scheme_vs_float64_fake_quant[int8_w8a8_static])"
+)
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=_INT8_STATIC_SKIP) if c == "int8_w8a8_static" else c for c in QUANT_CASES]
+)
+def test_scheme_vs_float64_unquantized_activations(case):
+    """The reference keeps activations in float64: the quantization error of the activations must stay
+    within ACTIVATION_QUANT_TOLERANCE (with calibrated static scales)."""
+    scheme, x, q13, q2, config, d13, d2, tw, ids, biases = _quant_layer(case, torch.float32)
+    config = _calibrated(scheme, config, x, d13, ids, q13.shape[0], biases)
+    out = fused_experts(x, q13, q2, tw, ids, quant_config=config)
+    ref = moe_float64(x, d13, d2, tw, ids, **biases)
+    a_dtype = None if scheme.activation is None else scheme.activation.dtype
+    assert_close_rel(out, ref, tolerance(torch.float32, a_dtype), case)
+
+
+@pytest.mark.parametrize("case", ["fp8_w8a8_per_tensor_static", "int8_w8a8_static", "mxfp4_w4a8_per_tensor_static"])
+def test_static_activation_scale_is_used(case):
+    """With static scales, the layer uses the given scale, not one computed from the batch: a scale 20x
+    too small (saturating) changes the result, and the reference with that scale predicts it."""
+    scheme, x, q13, q2, config, d13, d2, tw, ids, biases = _quant_layer(case, torch.float32)
+    coarse = dataclasses.replace(config, a13_scale=config.a13_scale / 20, a2_scale=config.a2_scale / 20)
+    out = fused_experts(x, q13, q2, tw, ids, quant_config=coarse)
+    ref_coarse = moe_float64(x, d13, d2, tw, ids, act_quant=_act_quant(scheme, coarse))
+    ref_fine = moe_float64(x, d13, d2, tw, ids, act_quant=_act_quant(scheme, config))
+    tol = tolerance(torch.float32, scheme.activation.dtype, fake_quant=True)
+    assert_close_rel(out, ref_coarse, tol, case)
+    assert relative_error(out, ref_fine) > tol
+
+
+def test_factories_build_the_same_layer():
+    """A config from the FACTORIES (here int4 with zero points and mxfp4 with per-token fp8
+    activations) runs the same numbers as quantize_weights' config."""
+    x, w13, w2, tw, ids = random_layer(11, 64, 32, 4, 2)
+    scheme = QuantScheme(None, WeightQuant("int4", GroupShape(1, 32), zero_point=True))
+    q13, q2, c = quantize_weights(scheme, w13, w2)
+    config = FACTORIES["int4_w4a16"](c.w13_scale, c.w2_scale, group_size=32, w13_zero=c.w13_zero, w2_zero=c.w2_zero)
+    ref = moe_float64(x, decode_weight(q13, scheme.weight, c.w13_scale, None, c.w13_zero),
+                      decode_weight(q2, scheme.weight, c.w2_scale, None, c.w2_zero), tw, ids)  # fmt: skip
+    assert_close_rel(fused_experts(x, q13, q2, tw, ids, quant_config=config), ref, tolerance(torch.float32), "int4")
+    scheme = QuantScheme(ActivationQuant("fp8", PER_ROW), WeightQuant("mxfp4", GroupShape(1, 32)))
+    q13, q2, c = quantize_weights(scheme, w13, w2)
+    config = FACTORIES["mxfp4_w4a8"](c.w13_scale, c.w2_scale, per_token=True)
+    ref = moe_float64(x, decode_weight(q13, scheme.weight, c.w13_scale), decode_weight(q2, scheme.weight, c.w2_scale),
+                      tw, ids, act_quant=_act_quant(scheme, c))  # fmt: skip
+    out = fused_experts(x, q13, q2, tw, ids, quant_config=config)
+    assert_close_rel(out, ref, tolerance(torch.float32, "fp8", fake_quant=True), "mxfp4_w4a8")
+
+
+# ==== layer edge cases ============================================================================
+
+
+def test_expert_map_remote_experts_contribute_nothing():
+    num_global, num_local, hidden, inter, m, top_k = 8, 4, 64, 32, 40, 3
+    x, w13, w2, tw, ids = random_layer(m, hidden, inter, num_local, top_k)
+    ids = random_ids(m, top_k, num_global)
+    expert_map = torch.tensor([2, -1, 0, -1, -1, 3, 1, -1])
+    out = fused_experts(x, w13, w2, tw, ids, expert_map=expert_map)
+    ref = moe_float64(x, w13, w2, tw, ids, expert_map=expert_map)
+    assert_close_rel(out, ref, tolerance(torch.float32), "expert_map")
+    # the same result with the remote pairs' weights zeroed and their ids sent to some local expert
+    remote = expert_map[ids.long()] < 0
+    local_ids = torch.where(remote, 0, expert_map[ids.long()]).to(torch.int32)
+    ref_zeroed = moe_float64(x, w13, w2, torch.where(remote, 0.0, tw), local_ids)
+    assert_close_rel(out, ref_zeroed, tolerance(torch.float32), "expert_map vs zeroed weights")
+    # a token whose experts are all remote gets exactly zero
+    ids[0] = torch.tensor([1, 3, 4])
+    out = fused_experts(x, w13, w2, tw, ids, expert_map=expert_map)
+    assert torch.equal(out[0], torch.zeros(hidden))
+
+
+def test_nan_token_routed_only_to_remote_experts_does_not_leak():
+    x, w13, w2, tw, ids = random_layer(9, 32, 32, 4, 2)
+    expert_map = torch.tensor([0, 1, 2, 3, -1, -1])
+    ids[4] = torch.tensor([4, 5])
+    x[4] = float("nan")
+    out = fused_experts(x, w13, w2, tw, ids, expert_map=expert_map)
+    assert torch.equal(out[4], torch.zeros(32))
+    keep = [i for i in range(9) if i != 4]
+    assert torch.isfinite(out[keep]).all()
+    assert_close_rel(out[keep], moe_float64(x[keep], w13, w2, tw[keep], ids[keep], expert_map=expert_map),
+                     tolerance(torch.float32), "NaN token")  # fmt: skip
+
+
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+def test_apply_router_weight_on_input(activation):
+    gated = activation != "relu2"
+    x, w13, w2, tw, ids = random_layer(23, 64, 32, 5, 1, gated)
+    tw = tw * 3  # far from 1, so input- and output-side weighting differ
+    out = fused_experts(x, w13, w2, tw, ids, activation=activation, apply_router_weight_on_input=True)
+    ref = moe_float64(x, w13, w2, tw, ids, activation=activation, apply_router_weight_on_input=True)
+    assert_close_rel(out, ref, tolerance(torch.float32), "apply_router_weight_on_input")
+    other = moe_float64(x, w13, w2, tw, ids, activation=activation)
+    assert relative_error(out, other) > 10 * tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_tokens(dtype):
+    _, w13, w2, _, _ = random_layer(1, 64, 32, 4, 2, dtype=dtype)
+    out = fused_experts(torch.randn(0, 64).to(dtype), w13, w2, torch.rand(0, 2), torch.zeros(0, 2, dtype=torch.int32))
+    assert out.shape == (0, 64) and out.dtype == dtype
+
+
+@pytest.mark.parametrize("case", ["unquantized", "fp8_w8a8_per_tensor_dynamic", "nvfp4_w4a4", "int8_w8a8_static"])
+def test_one_token(case):
+    scheme, x, q13, q2, config, d13, d2, tw, ids, biases = _quant_layer(case, torch.float32, m=1)
+    out = fused_experts(x, q13, q2, tw, ids, quant_config=config)
+    ref = moe_float64(x, d13, d2, tw, ids, act_quant=_act_quant(scheme, config), **biases)
+    a_dtype = None if scheme.activation is None else scheme.activation.dtype
+    assert_close_rel(out, ref, tolerance(torch.float32, a_dtype, fake_quant=True), case)
+
+
+def _layer_check(ids, num_experts=6, hidden=64, inter=32, dtype=torch.float32):
+    m, top_k = ids.shape
+    x, w13, w2, _, _ = random_layer(m, hidden, inter, num_experts, top_k, dtype=dtype)
+    tw = torch.rand(m, top_k) + 0.1
+    out = fused_experts(x, w13, w2, tw, ids, activation="gelu")
+    ref = moe_float64(x, w13, w2, tw, ids, activation="gelu",
+                      intermediate_dtype=torch.bfloat16 if dtype == torch.bfloat16 else None)  # fmt: skip
+    assert_close_rel(out, ref, tolerance(dtype), "layer")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skewed_routing_all_tokens_to_one_expert(dtype):
+    _layer_check(torch.full((50, 1), 4, dtype=torch.int32), dtype=dtype)
+    ids = torch.stack([torch.full((50,), 4), torch.randint(0, 4, (50,))], dim=1).to(torch.int64)
+    _layer_check(ids, dtype=dtype)
+
+
+def test_experts_without_tokens():
+    ids = random_ids(30, 2, 2) * 3  # only experts 0 and 3 of 6 get tokens
+    _layer_check(ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_k_equals_num_experts(dtype):
+    _layer_check(random_ids(17, 6, 6), num_experts=6, dtype=dtype)
+
+
+def test_column_major_weights():
+    x, w13, w2, tw, ids = random_layer(21, 64, 32, 4, 2)
+    w13_cm = w13.transpose(1, 2).contiguous().transpose(1, 2)
+    w2_cm = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    out = fused_experts(x, w13_cm, w2_cm, tw, ids)
+    assert_close_rel(out, moe_float64(x, w13, w2, tw, ids), tolerance(torch.float32), "column-major")
+
+
+# ==== routing_plan ================================================================================
+
+
+def _local(ids: torch.Tensor, expert_map, num_experts):
+    """Python: the local expert of each pair, None when dropped."""
+    out = []
+    for e in ids.flatten().tolist():
+        loc = e if expert_map is None else expert_map[e].item()
+        out.append(loc if 0 <= loc < num_experts else None)
+    return out
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+@pytest.mark.parametrize("m,k", [(0, 2), (1, 1), (1, 4), (37, 3), (200, 8)])
+def test_routing_plan_properties(m, k, with_map):
+    num_experts = 8
+    expert_map = torch.tensor([3, -1, 0, 7, -1, 1, 2, -1, 4, 5, 6, -1]) if with_map else None
+    ids = random_ids(m, k, 12 if with_map else num_experts, dtype=torch.int64 if with_map else torch.int32)
+    offsets, gather_idx, inverse = routing_plan(ids, num_experts, expert_map)
+    assert offsets.dtype == gather_idx.dtype == inverse.dtype == torch.int32
+    assert offsets.shape == (num_experts + 1,) and gather_idx.shape == inverse.shape == (m * k,)
+    local = _local(ids, expert_map, num_experts)
+    counts = [sum(1 for e in local if e == x) for x in range(num_experts)]
+    off = offsets.tolist()
+    assert off[0] == 0 and all(a <= b for a, b in zip(off, off[1:]))
+    assert [b - a for a, b in zip(off, off[1:])] == counts
+    assert off[-1] == sum(e is not None for e in local)
+    inv = inverse.tolist()
+    assert sorted(inv) == list(range(m * k)), "inverse is not a permutation"
+    pair_of_row = [None] * (m * k)
+    for p, r in enumerate(inv):
+        pair_of_row[r] = p
+        assert gather_idx[r].item() == p // k
+    for e in range(num_experts):
+        pairs = pair_of_row[off[e] : off[e + 1]]
+        assert all(local[p] == e for p in pairs)
+        assert pairs == sorted(pairs), "order within an expert is not stable"
+    dropped = pair_of_row[off[-1] :]
+    assert all(local[p] is None for p in dropped) and dropped == sorted(dropped)
+
+
+def test_routing_plan_drops_out_of_range_ids():
+    """Out-of-range ids (possible in compiled calls, where they are not checked) are dropped like
+    remote experts; calling the op directly skips the eager check."""
+    ids = torch.tensor([[0, 9], [-3, 2], [1, 4]], dtype=torch.int32)
+    offsets, gather_idx, inverse = routing_plan(ids, 4, None)
+    assert offsets.tolist() == [0, 1, 2, 3, 3]
+    assert inverse.tolist() == [0, 3, 4, 2, 1, 5]
+    assert gather_idx.tolist() == [0, 2, 1, 0, 1, 2]
+
+
+# ==== weighted_reduce =============================================================================
+
+
+def _reduce_inputs(m, k, hidden, dtype):
+    expert_map = torch.tensor([0, 1, -1, 2, 3, -1])
+    ids = random_ids(m, k, 6)
+    offsets, _, inverse = routing_plan(ids, 4, expert_map)
+    y = torch.randn(m * k, hidden).to(dtype)
+    y[offsets[-1].item() :] = torch.randn(m * k - offsets[-1].item(), hidden) * 1e6  # dropped rows
+    return y, torch.rand(m, k), inverse, offsets
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weighted_reduce_fixed_order_float32(dtype):
+    """out[m] = ((w0*y0 + w1*y1) + w2*y2) ... in float32, skipping dropped rows: bit-exact."""
+    m, k, hidden = 33, 4, 40
+    y, tw, inverse, offsets = _reduce_inputs(m, k, hidden, dtype)
+    out = weighted_reduce(y, tw, inverse, offsets)
+    assert out.dtype == dtype and out.shape == (m, hidden)
+    end = offsets[-1].item()
+    want = torch.zeros(m, hidden, dtype=torch.float32)
+    for i in range(m):
+        acc = None
+        for j in range(k):
+            r = inverse[i * k + j].item()
+            term = y[r].float() * tw[i, j] if r < end else torch.zeros(hidden)
+            acc = term if acc is None else acc + term
+        want[i] = acc
+    assert torch.equal(out, want.to(dtype))
+
+
+def test_weighted_reduce_deterministic():
+    y, tw, inverse, offsets = _reduce_inputs(301, 5, 96, torch.float32)
+    a = weighted_reduce(y, tw, inverse, offsets)
+    b = weighted_reduce(y.clone(), tw.clone(), inverse.clone(), offsets.clone())
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    # and the whole layer
+    x, w13, w2, tw, ids = random_layer(64, 64, 32, 4, 4)
+    f1 = fused_experts(x, w13, w2, tw, ids)
+    f2 = fused_experts(x, w13, w2, tw, ids)
+    assert torch.equal(f1.view(torch.int32), f2.view(torch.int32))
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_weighted_reduce_dropped_nan_does_not_leak(poison):
+    y, tw, inverse, offsets = _reduce_inputs(40, 3, 16, torch.float32)
+    end = offsets[-1].item()
+    assert end < y.shape[0]
+    clean = y.clone()
+    clean[end:] = 0
+    y[end:] = poison
+    out = weighted_reduce(y, tw, inverse, offsets)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, weighted_reduce(clean, tw, inverse, offsets))
