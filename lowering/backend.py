@@ -23,7 +23,7 @@ class Choice:
     kernel: Callable | None = None
 
     def run(self, args: dict):
-        return self.kernel(**args)
+        return self.kernel(args)
 
 
 def _cute_interface():
