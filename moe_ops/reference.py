@@ -14,10 +14,11 @@ import torch
 # ||out - ref|| / ||ref|| allowed for the dtype the layer runs in ...
 DTYPE_TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 # ... plus this much for activation quantization when the reference does not re-apply it
-# (measured on random normal inputs: fp8 ~4e-2, int8 ~1.6e-2, nvfp4 ~1.6e-1) ...
-ACTIVATION_QUANT_TOLERANCE = {None: 0.0, "fp8": 8e-2, "int8": 3e-2, "nvfp4": 2.5e-1}
+# (measured on random normal inputs: fp8 ~4e-2, int8 per-token ~1.6e-2, int8 with one static scale for
+# the whole heavy-tailed intermediate 4.5e-2 to 8.6e-2, nvfp4 ~1.6e-1) ...
+ACTIVATION_QUANT_TOLERANCE = {None: 0.0, "fp8": 8e-2, "int8": 3e-2, "int8_static": 1.2e-1, "nvfp4": 2.5e-1}
 # ... or this much when it does (an element may round to the neighbouring code at a tie).
-FAKE_QUANT_TOLERANCE = {None: 0.0, "fp8": 2e-3, "int8": 1e-3, "nvfp4": 1e-2}
+FAKE_QUANT_TOLERANCE = {None: 0.0, "fp8": 2e-3, "int8": 1e-3, "int8_static": 1e-3, "nvfp4": 1e-2}
 
 
 def tolerance(dtype: torch.dtype, activation_quant: str | None = None, fake_quant: bool = False) -> float:

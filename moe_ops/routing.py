@@ -67,6 +67,9 @@ def route_op(
         selection = selection.masked_fill(~mask, float("-inf"))
     ids = _select(selection, top_k)
     weights = scores.gather(1, ids)
+    # A row with a NaN logit has no defined routing: say so in its weights, whatever was picked
+    # (sigmoid scores of the other experts would otherwise look valid). masked_fill keeps the strides.
+    weights = weights.masked_fill(router_logits.isnan().any(dim=-1, keepdim=True), float("nan"))
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if routed_scaling_factor != 1.0:

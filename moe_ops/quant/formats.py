@@ -91,7 +91,7 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """float -> uint8 e2m1 codes (0..15), round to nearest, saturating at +-6."""
     mids = torch.tensor(_E2M1_MIDPOINTS, device=x.device, dtype=torch.float32)
-    magnitude = torch.bucketize(x.float().abs(), mids)  # 0..7, ties round up
+    magnitude = torch.bucketize(x.float().abs(), mids, right=True)  # 0..7, ties round up
     sign = (x < 0).to(torch.uint8) << 3
     return magnitude.to(torch.uint8) | sign
 

@@ -109,6 +109,10 @@ class SecondUser(nn.Module):
         self.register_buffer("w2", w2)
 
     def forward(self, x, topk_weights, topk_ids):
+        # The primitives do not check shapes; a model does (fused_experts would), which also keeps H
+        # a constant rather than a symbol under dynamic=True.
+        if x.shape[1] != self.w13.shape[2]:
+            raise ValueError(f"x: expected [M, {self.w13.shape[2]}], got {tuple(x.shape)}")
         offsets, gather_idx, inverse = routing_plan(topk_ids, 4, None)
         none = [-1, -1]
         h = grouped_gemm(x, None, None, "none", none, self.w13, None, None, None, "none", none, None, offsets, gather_idx, x.dtype)

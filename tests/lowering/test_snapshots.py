@@ -198,16 +198,16 @@ buf# = torch.ops.moe_ops.down_reduce.default(buf#, None, None, 'none', [-1, -1],
     def test_second_user_not_fused(self):
         e = self.explain("second_user")
         self.assertExpectedInline(str(e), """\
-in0: i32[S0, S1]
+in0: f32[S0, 128]
 in1: f32[4, 128, 128]
-in2: f32[S0, S2]
+in2: i32[S0, S1]
 in3: f32[4, 128, 64]
 in4: f32[S0, S1]
-v0: (i32[5], i32[S0*S1], i32[S0*S1]) = moe_ops.routing_plan(in0, 4, None)
+v0: (i32[5], i32[S0*S1], i32[S0*S1]) = moe_ops.routing_plan(in2, 4, None)
 v1: i32[5] = getitem(v0, 0)
 v2: i32[S0*S1] = getitem(v0, 1)
 v3: i32[S0*S1] = getitem(v0, 2)
-v4: f32[S0*S1, 128] = moe_ops.grouped_gemm(in2, None, None, 'none', [-1, -1], in1, None, None, None, 'none', [-1, -1], None, v1, v2, f32)
+v4: f32[S0*S1, 128] = moe_ops.grouped_gemm(in0, None, None, 'none', [-1, -1], in1, None, None, None, 'none', [-1, -1], None, v1, v2, f32)
 v5: f32[S0*S1, 64] = moe_ops.activation(v4, 'silu', 1.702, 7.0, False)
 v6: f32[S0*S1, 128] = moe_ops.grouped_gemm(v5, None, None, 'none', [-1, -1], in3, None, None, None, 'none', [-1, -1], None, v1, None, f32)
 v7: f32[S0, 128] = moe_ops.weighted_reduce(v6, in4, v3, v1)

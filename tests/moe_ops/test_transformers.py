@@ -240,29 +240,33 @@ def test_compiled_fullgraph_matches_eager(name, spy):
 
 
 def test_expert_parallel_sentinels_are_dropped(spy):
-    """With _is_expert_parallel, ids == num_experts are sentinels for experts on other ranks: both
-    implementations drop them."""
+    """With _is_expert_parallel, ids == num_experts are sentinels for experts on other ranks: moe_ops
+    drops them, matching transformers' eager experts run on the same pairs with the sentinel pairs'
+    weights set to 0 (older transformers' eager experts cannot take sentinel ids themselves)."""
     experts = _experts(_build("mixtral"))[0]
     g = torch.Generator().manual_seed(7)
     hidden = torch.randn(10, COMMON["hidden_size"], generator=g)
     ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(10)])
     ids[::3, 1] = experts.num_experts  # sentinels
     weights = torch.rand(10, 2, generator=g)
-    experts._is_expert_parallel = True
-    with torch.no_grad():
-        experts.config._experts_implementation = "eager"
-        eager = experts(hidden, ids, weights)
-        experts.config._experts_implementation = "moe_ops"
-        ours = experts(hidden, ids, weights)
-    assert len(spy) == 1 and spy[0]["expert_map"] is not None
-    assert relative_error(ours, eager) <= TOL
     kept = weights.clone()
     kept[::3, 1] = 0.0
     ids_valid = ids.clone()
     ids_valid[::3, 1] = (ids[::3, 0] + 1) % experts.num_experts
-    experts._is_expert_parallel = False
     with torch.no_grad():
-        assert relative_error(ours, experts(hidden, ids_valid, kept)) <= TOL
+        experts._is_expert_parallel = False
+        experts.config._experts_implementation = "eager"
+        eager = experts(hidden, ids_valid, kept)
+        experts._is_expert_parallel = True
+        experts.config._experts_implementation = "moe_ops"
+        ours = experts(hidden, ids, weights)
+    assert len(spy) == 1 and spy[0]["expert_map"] is not None
+    assert relative_error(ours, eager) <= TOL
+    # and the sentinel pairs did matter: keeping their weights changes the result
+    with torch.no_grad():
+        experts._is_expert_parallel = False
+        experts.config._experts_implementation = "eager"
+        assert relative_error(experts(hidden, ids_valid, weights), eager) > TOL
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
