@@ -211,12 +211,12 @@ v4: f32[S0*S1, 128] = moe_ops.grouped_gemm(in0, None, None, 'none', [-1, -1], in
 v5: f32[S0*S1, 64] = moe_ops.activation(v4, 'silu', 1.702, 7.0, False)
 v6: f32[S0*S1, 128] = moe_ops.grouped_gemm(v5, None, None, 'none', [-1, -1], in3, None, None, None, 'none', [-1, -1], None, v1, None, f32)
 v7: f32[S0, 128] = moe_ops.weighted_reduce(v6, in4, v3, v1)
-v8: f32[] = aten.sum(v5)
+v8: f32[S0*S1, 64] = aten.mul.Tensor(v5, 2.0)
 return [v7, v8]
 
 | layer | fused ops | recipe | dtypes | backend / reason |
 |---|---|---|---|---|
-| 0 | not fused | - | - | reason: the activation's output (moe_ops.activation) has another user: aten.sum |""")
+| 0 | not fused | - | - | reason: the activation's output (moe_ops.activation) has another user: aten.mul |""")
         self.assertExpectedInline(e.code(), """\
 buf# = torch.ops.moe_ops.routing_plan.default(arg#, 4, None)
 buf# = torch.ops.moe_ops.grouped_gemm.default(arg#, None, None, 'none', [-1, -1], arg#, None, None, None, 'none', [-1, -1], None, buf#, buf#, torch.float32)
