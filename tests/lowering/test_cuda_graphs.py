@@ -147,3 +147,34 @@ def test_reduce_overhead_replays_match_eager_without_recompiles_or_syncs():
     for _, report in reports:
         assert len(report.fused) == 2 and report.unfused == []
 
+
+
+@pytest.mark.gpu
+def test_explain_reports_cute_backend_and_kernels_run(monkeypatch):
+    """On Hopper with the CuTe DSL available, explain() names the cute backend for both fused ops,
+    and the compiled model really calls the kernels (counted through the interface)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the CuTe DSL kernels need sm_90")
+    interface = pytest.importorskip("cute_kernels.interface")
+    calls = {"gate_up": 0, "down_reduce": 0}
+    for name in calls:
+        original = getattr(interface, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(interface, name, counted)
+    model = TwoLayers().to(device="cuda", dtype=DTYPE)
+    x = torch.randn(16, 256, device="cuda", dtype=DTYPE)
+    topk_weights, topk_ids = moe_ops.route(torch.randn(16, 8, device="cuda"), TOP_K)
+    explained = lowering.explain(model, x, topk_weights, topk_ids)
+    assert len(explained.layers) == 2
+    for row in explained.layers:
+        assert "gate_up: cute" in row.backend and "down_reduce: cute" in row.backend, row.backend
+    assert calls == {"gate_up": 2, "down_reduce": 2}
+    with torch.no_grad():
+        eager = model(x, topk_weights, topk_ids)
+        with lowering.enabled():
+            compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)(x, topk_weights, topk_ids)
+    assert relative_error(compiled, eager) <= tolerance(DTYPE)
