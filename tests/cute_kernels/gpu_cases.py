@@ -8,14 +8,8 @@ from moe_ops.gemm import grouped_gemm
 from moe_ops.plan import routing_plan
 from moe_ops.reduce import weighted_reduce
 
-# (E, top-k, hidden, intermediate) of the models the issue names.
-SHAPES = {
-    "mixtral": (8, 2, 4096, 14336),
-    "qwen3-30b-a3b": (128, 8, 2048, 768),
-    "deepseek-v3": (256, 8, 7168, 2048),
-    "gpt-oss-120b": (128, 4, 2880, 2880),
-}
-TOKENS = (1, 16, 128, 1024, 8192)
+# (E, top-k, hidden, intermediate) of the benchmarked models, and their token counts.
+from moe_ops.bench import SHAPES, TOKENS  # noqa: E402,F401
 NONE = [-1, -1]
 
 
