@@ -39,9 +39,10 @@ def _contiguous(*tensors) -> bool:
     return all(t is None or t.is_contiguous() for t in tensors)
 
 
-def _gate_layout(recipe: dict) -> str:
-    gated = recipe["activation"] != "relu2"
-    return ("interleaved" if recipe["interleaved"] else "concat") if gated else "none"
+def _gate_layout(activation: str, interleaved: bool) -> str:
+    if activation == "relu2":
+        return "none"
+    return "interleaved" if interleaved else "concat"
 
 
 def _run_gate_up(args: dict):
@@ -50,7 +51,7 @@ def _run_gate_up(args: dict):
     out = interface.gate_up(
         args["x"], args["w"], args["bias"], args["expert_offsets"], args["gather_idx"],
         activation=args["activation"], alpha=args["alpha"], limit=args["limit"],
-        gate_layout=_gate_layout({"activation": args["activation"], "interleaved": args["interleaved"]}),
+        gate_layout=_gate_layout(args["activation"], args["interleaved"]),
     )  # fmt: skip
     return out, out.new_empty((0,), dtype=torch.float32)
 
@@ -75,7 +76,7 @@ def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
     if not recipe["contiguous"]:
         return False, "a non-contiguous input; the kernels take contiguous tensors"
     if op == "gate_up":
-        return interface.gate_up_support(activation=recipe["activation"], gate_layout=_gate_layout(recipe), **common)
+        return interface.gate_up_support(activation=recipe["activation"], gate_layout=_gate_layout(recipe["activation"], recipe["interleaved"]), **common)
     return interface.down_reduce_support(**common)
 
 

@@ -110,12 +110,9 @@ def check_inputs(
     return LayerShape(num_experts, num_global, hidden, intermediate, n13, top_k)
 
 
-def _act_args(aq: ActivationQuant | None) -> tuple[str, list[int]]:
-    return ("none", [-1, -1]) if aq is None else (aq.dtype, list(aq.group.astuple()))
-
-
-def _weight_args(wq: WeightQuant | None) -> tuple[str, list[int]]:
-    return ("none", [-1, -1]) if wq is None else (wq.dtype, list(wq.group.astuple()))
+def _quant_args(q: ActivationQuant | WeightQuant | None) -> tuple[str, list[int]]:
+    """(dtype, group) as the ops take them; "none" when not quantized."""
+    return ("none", [-1, -1]) if q is None else (q.dtype, list(q.group.astuple()))
 
 
 def _quantize_input(x: torch.Tensor, aq: ActivationQuant | None, t: dict):
@@ -169,8 +166,8 @@ def fused_experts(
 
     scheme = config.scheme
     out_dtype = hidden_states.dtype
-    a_dtype, a_group = _act_args(scheme.activation)
-    w_dtype, w_group = _weight_args(scheme.weight)
+    a_dtype, a_group = _quant_args(scheme.activation)
+    w_dtype, w_group = _quant_args(scheme.weight)
     t13, t2 = config.gemm("13"), config.gemm("2")
 
     offsets, gather_idx, inverse = routing_plan(topk_ids, shape.num_experts, expert_map)
