@@ -1,0 +1,105 @@
+"""The routing plan in one Triton kernel: the CUDA implementation of moe_ops::routing_plan.
+
+Same outputs as the reference in plan.py, bit for bit (a stable sort of the pairs by local expert), in
+a single launch with no host synchronisation. Programs split the P = M*k pairs into blocks of BLOCK; a
+pair's grouped row is
+
+    row(p) = #pairs with a smaller key  +  #pairs before p's block with p's key  +  p's rank in its block
+
+The first two terms are histograms: every program reads all P keys (P <= 131072 int32 in the benchmark,
+L2-resident) instead of waiting on other programs, which needs no grid-wide synchronisation and so no
+zeroed counters between CUDA-graph replays. The rank inside the block comes from sorting the block's
+(key, position) pairs: a key's pairs are then contiguous, in position order.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _keys(ids_ptr, map_ptr, offs, mask, num_experts, num_global, HAS_MAP: tl.constexpr):
+    """The local expert of each pair, num_experts for a dropped pair (see plan.local_expert_ids)."""
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+    if HAS_MAP:
+        in_range = (ids >= 0) & (ids < num_global)
+        mapped = tl.load(map_ptr + ids, mask=mask & in_range, other=-1).to(tl.int32)
+        ids = tl.where(in_range, mapped, -1)
+    valid = (ids >= 0) & (ids < num_experts)
+    return tl.where(valid, ids, num_experts)
+
+
+# Sizes vary with M: specialising on their divisibility would compile a new kernel for some token counts.
+@triton.jit(do_not_specialize=["num_pairs", "k", "num_experts", "num_global"])
+def _routing_plan_kernel(
+    ids_ptr, map_ptr, offsets_ptr, gather_ptr, inverse_ptr, scratch_ptr,
+    num_pairs, k, num_experts, num_global,
+    HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
+):  # fmt: skip
+    block = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK)
+    total = tl.zeros((BINS,), dtype=tl.int32)
+    before = tl.zeros((BINS,), dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        offs = start + lanes
+        mask = offs < num_pairs
+        hist = tl.histogram(_keys(ids_ptr, map_ptr, offs, mask, num_experts, num_global, HAS_MAP), BINS, mask=mask)
+        total += hist
+        before += tl.where(start < block * BLOCK, hist, 0)
+    starts = tl.cumsum(total, 0) - total  # exclusive: the first row of each key
+    bins = tl.arange(0, BINS)
+    if block == 0:
+        tl.store(offsets_ptr + bins, starts, mask=bins <= num_experts)
+
+    offs = block * BLOCK + lanes
+    mask = offs < num_pairs
+    key = _keys(ids_ptr, map_ptr, offs, mask, num_experts, num_global, HAS_MAP)
+    mine = tl.histogram(key, BINS, mask=mask)
+    mine_starts = tl.cumsum(mine, 0) - mine
+    # Padding lanes get key BINS: they sort after every real pair.
+    order = tl.sort(tl.where(mask, key, BINS) * BLOCK + lanes)
+    sorted_key = order // BLOCK
+    pair = block * BLOCK + order % BLOCK
+    valid = sorted_key < BINS
+    # row = starts[key] + before[key] + (j - mine_starts[key]) for the j-th sorted lane. Indexing a
+    # register vector by a per-lane key goes through this program's slice of global scratch.
+    base = scratch_ptr + block * BINS
+    tl.store(base + bins, starts + before - mine_starts)
+    tl.debug_barrier()
+    row = tl.load(base + sorted_key, mask=valid, other=0) + lanes
+    tl.store(inverse_ptr + pair, row, mask=valid)
+    tl.store(gather_ptr + row, pair // k, mask=valid)
+
+
+def block_size(num_pairs: int) -> int:
+    """Pairs per program: one program for small P, 4096-pair blocks at most (the sort's register budget)."""
+    return min(4096, max(128, triton.next_power_of_2(num_pairs)))
+
+
+def routing_plan_triton(
+    topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [M, k] -> (expert_offsets int32 [E+1], gather_idx int32 [M*k], inverse int32 [M*k]).
+
+    block (a power of two, at least 16) overrides block_size(M*k); the tests use it to get many programs
+    from few pairs.
+    """
+    m, k = topk_ids.shape
+    num_pairs = m * k
+    device = topk_ids.device
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
+    gather = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    inverse = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    block = block or block_size(num_pairs)
+    bins = triton.next_power_of_2(num_experts + 1)
+    grid = max(1, triton.cdiv(num_pairs, block))
+    scratch = torch.empty(grid * bins, dtype=torch.int32, device=device)
+    ids = topk_ids.contiguous()
+    emap = expert_map.contiguous() if expert_map is not None else ids
+    _routing_plan_kernel[(grid,)](
+        ids, emap, offsets, gather, inverse, scratch,
+        num_pairs, k, num_experts, emap.shape[0] if expert_map is not None else 0,
+        HAS_MAP=expert_map is not None, BLOCK=block, BINS=bins, num_warps=8 if block >= 2048 else 4,
+    )  # fmt: skip
+    return offsets, gather, inverse
