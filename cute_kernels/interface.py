@@ -4,8 +4,9 @@ and launchers that take torch tensors, compile on first use and launch on torch'
 gate_up(x [M, H], w [E, N, H], bias [E, N] | None, offsets [E+1], gather [P]) -> [P, I]
     GEMM1 over the grouped rows, tokens gathered in the kernel, activation (and bias) in the epilogue.
     N = 2I for gated activations ([gate; up] "concat" or "interleaved"), I for relu2.
-down_reduce(a [P, I], w [E, H, I], bias [E, H] | None, offsets, topk_weights [M, k], inverse [P]) -> [M, H]
-    GEMM2 over the grouped rows into a [P, H] scratch, then the deterministic weighted reduction.
+down_reduce(a [P, I], w [E, H, I], bias [E, H] | None, offsets, gather [P], topk_weights [M, k], inverse [P]) -> [M, H]
+    GEMM2 over the grouped rows; its epilogue scales each row by its pair's router weight and stores it
+    in pair order into a [P, H] scratch; then the deterministic per-token sum (token_sum.py).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from cutlass.cute import AddressSpace  # noqa: E402
 from cutlass.cute.runtime import make_ptr  # noqa: E402
 
 from .moe_gemm import Epilogue, MoeGemmSm90  # noqa: E402
-from .weighted_reduce import WeightedReduceSm90  # noqa: E402
+from .token_sum import TokenSumSm90  # noqa: E402
 
 GATED = ("silu", "gelu", "gelu_tanh", "swigluoai")
 ACTIVATIONS = (*GATED, "relu2")
@@ -111,34 +112,41 @@ def _stream(device: torch.device):
     return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
+def gemm_compile_args(a_dtype, bias_dtype) -> tuple:
+    """Placeholder arguments with MoeGemmSm90.__call__'s types, to compile it without tensors."""
+    ad, bd, i32 = _CUTLASS_DTYPE[a_dtype], _CUTLASS_DTYPE[bias_dtype], cutlass.Int32
+    ptrs = (*[cc.fake_ptr(ad)] * 4, cc.fake_ptr(i32), cc.fake_ptr(i32), cc.fake_ptr(bd), cc.fake_ptr(i32), cc.fake_ptr(cutlass.Float32))
+    return (*ptrs, *[Int32(64)] * 9, cc.fake_stream())
+
+
+def token_sum_compile_args(dtype) -> tuple:
+    """Placeholder arguments with TokenSumSm90.__call__'s types."""
+    d, i32 = _CUTLASS_DTYPE[dtype], cutlass.Int32
+    return (cc.fake_ptr(d), cc.fake_ptr(i32), cc.fake_ptr(i32), cc.fake_ptr(d), *[Int32(8)] * 4, cc.fake_stream())
+
+
 def _gemm(epilogue: Epilogue, gather: bool, a_dtype, bias_dtype, sms: int, tile_n: int = 256):
     key = f"moe_gemm:{epilogue}:gather={gather}:{a_dtype}:{bias_dtype}:tile_n={tile_n}:sms={sms}"
 
     def build():
         kernel = MoeGemmSm90(epilogue, tile_n=tile_n, gather=gather, num_sms=sms)
-        ad, bd = _CUTLASS_DTYPE[a_dtype], _CUTLASS_DTYPE[bias_dtype]
-        ptrs = [cc.fake_ptr(ad)] * 4 + [cc.fake_ptr(cutlass.Int32)] * 2 + [cc.fake_ptr(bd)]
-        return kernel, (*ptrs, *[Int32(64)] * 8, cc.fake_stream())
+        return kernel, gemm_compile_args(a_dtype, bias_dtype)
 
     return cc.get(key, build)
 
 
-def _reduce(dtype):
-    def build():
-        d = _CUTLASS_DTYPE[dtype]
-        ptrs = (cc.fake_ptr(d), cc.fake_ptr(cutlass.Float32), cc.fake_ptr(cutlass.Int32), cc.fake_ptr(cutlass.Int32), cc.fake_ptr(d))
-        return WeightedReduceSm90(), (*ptrs, *[Int32(8)] * 4, cc.fake_stream())
-
-    return cc.get(f"weighted_reduce:{dtype}", build)
+def _token_sum(dtype):
+    return cc.get(f"token_sum:{dtype}", lambda: (TokenSumSm90(), token_sum_compile_args(dtype)))
 
 
-def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride):
+def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride, inverse=None, weights=None, topk=0):
     num_experts = offsets.shape[0] - 1
     fn(
         _ptr(a), _ptr(w_parts[0]), _ptr(w_parts[1]), _ptr(out), _ptr(offsets), _ptr(gather),
         _ptr(bias if bias is not None else w_parts[0]),
+        _ptr(inverse if inverse is not None else offsets), _ptr(weights if weights is not None else offsets),
         Int32(a.shape[0]), Int32(a.shape[1]), Int32(n_part), Int32(num_experts), Int32(b_stride),
-        Int32(out.shape[0]), Int32(out.shape[1]), Int32(bias.shape[1] if bias is not None else 0),
+        Int32(out.shape[0]), Int32(out.shape[1]), Int32(bias.shape[1] if bias is not None else 0), Int32(topk),
         _stream(a.device),
     )  # fmt: skip
 
@@ -165,7 +173,7 @@ def gate_up(x, w, bias, offsets, gather, *, activation: str, alpha: float, limit
     return out
 
 
-def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None):
+def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None):
     """[M, H] = sum_j topk_weights[m, j] * (a[inverse[m*k+j]] @ w[e].T + bias[e]); see the module
     docstring. Every element of the output is written. out: an optional [M, H] destination."""
     num_experts, hidden, inter = w.shape
@@ -175,13 +183,12 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None):
     if m == 0:
         return out
     y = torch.empty(a.shape[0], hidden, dtype=a.dtype, device=a.device)
-    epi = Epilogue("none", "none", has_bias=bias is not None)
+    epi = Epilogue("none", "none", has_bias=bias is not None, router_weight=True)
     sms = num_sms(a.device.index)
     fn = _gemm(epi, False, a.dtype, bias.dtype if bias is not None else a.dtype, sms, choose_tile_n("none", hidden, m, k, num_experts, sms))
-    _launch_gemm(fn, a, (w, w), y, offsets, offsets, bias, hidden, hidden * inter)
-    _reduce(a.dtype)(
-        _ptr(y), _ptr(topk_weights), _ptr(inverse), _ptr(offsets), _ptr(out),
-        Int32(m), Int32(k), Int32(hidden), Int32(num_experts), _stream(a.device),
+    _launch_gemm(fn, a, (w, w), y, offsets, gather, bias, hidden, hidden * inter, inverse, topk_weights, k)
+    _token_sum(a.dtype)(
+        _ptr(y), _ptr(inverse), _ptr(offsets), _ptr(out), Int32(m), Int32(k), Int32(hidden), Int32(num_experts), _stream(a.device),
     )  # fmt: skip
     return out
 
@@ -195,7 +202,7 @@ def variants(dtype=torch.bfloat16, bias_dtypes=(None,)):
                 for tile_n in TILE_N[layout]:
                     out.append((Epilogue(act, layout, has_bias=bias is not None), True, bias or dtype, tile_n))
         for tile_n in TILE_N["none"]:
-            out.append((Epilogue("none", "none", has_bias=bias is not None), False, bias or dtype, tile_n))
+            out.append((Epilogue("none", "none", has_bias=bias is not None, router_weight=True), False, bias or dtype, tile_n))
     return out
 
 
@@ -206,5 +213,5 @@ def precompile(dtype=torch.bfloat16, sms: int | None = None, bias_dtypes=(None,)
     sms = sms if sms is not None else num_sms(torch.cuda.current_device())
     for epi, gather, bias_dtype, tile_n in variants(dtype, bias_dtypes):
         _gemm(epi, gather, dtype, bias_dtype, sms, tile_n)
-    _reduce(dtype)
+    _token_sum(dtype)
     return dict(cc.timings)

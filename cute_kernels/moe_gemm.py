@@ -5,6 +5,11 @@
 where the rows of expert e are [offsets[e], offsets[e+1]) (device memory; the kernel reads them, the
 host never does) and src(r) = gather[r] (GEMM1 reads tokens) or r (GEMM2 reads its own rows).
 
+With a router-weight epilogue (GEMM2) the row goes to the pair it belongs to instead:
+    C[p, :] = topk_weights[p] * (A[r, :] @ B[e(r)].T + bias[e(r)]),  p = t * k + j the pair of row r,
+found from t = gather[r] and the j < k with inverse[t * k + j] = r. C is then in pair order, so a
+token's k rows are adjacent for the reduction that follows (token_sum.py).
+
 Structure (warp-specialised, persistent):
 - warpgroup 0 produces: its 128 threads gather A rows with cp.async (16-byte chunks, any row order,
   no gathered copy of the activations in memory) and one thread loads B (the expert's weights) with
@@ -47,18 +52,22 @@ _SQRT_2_OVER_PI = 0.7978845608028654
 class Epilogue:
     """What the epilogue does to each accumulator row before storing it.
     activation: "none" (store), or a gated kind (silu, gelu, gelu_tanh, swigluoai), or relu2.
-    gate_layout: "concat" ([gate; up] as two B parts), "interleaved" (pairs of columns) or "none"."""
+    gate_layout: "concat" ([gate; up] as two B parts), "interleaved" (pairs of columns) or "none".
+    router_weight: scale each row by its pair's router weight and store it at the pair's index (GEMM2)."""
 
     activation: str = "none"
     gate_layout: str = "none"
     alpha: float = 1.702
     limit: float = 7.0
     has_bias: bool = False
+    router_weight: bool = False
 
     def __post_init__(self):
         gated = self.activation in ("silu", "gelu", "gelu_tanh", "swigluoai")
         if gated != (self.gate_layout in ("concat", "interleaved")):
             raise ValueError(f"Epilogue: activation {self.activation!r} does not go with gate_layout {self.gate_layout!r}")
+        if self.router_weight and self.activation != "none":
+            raise ValueError(f"Epilogue: router_weight is for GEMM2 (activation 'none'), not {self.activation!r}")
 
 
 def _sigmoid(x):
@@ -119,6 +128,8 @@ class MoeGemmSm90:
         offsets_ptr: cute.Pointer,  # (E + 1,) int32
         gather_ptr: cute.Pointer,  # (P,) int32; read only when gather
         bias_ptr: cute.Pointer,  # (E, N) bias rows; read only with has_bias
+        inverse_ptr: cute.Pointer,  # (P,) int32 grouped row of each pair; read only with router_weight
+        weights_ptr: cute.Pointer,  # (P,) float32 router weight of each pair; read only with router_weight
         rows_a: Int32,
         k: Int32,
         n_part: Int32,
@@ -127,6 +138,7 @@ class MoeGemmSm90:
         rows_c: Int32,
         n_out: Int32,
         bias_stride: Int32,
+        topk: Int32,  # pairs per token; used only with router_weight
         stream: cuda.CUstream,
     ):
         # Shapes the kernel relies on (checked by the caller): K and the B/C rows are multiples of
@@ -141,6 +153,8 @@ class MoeGemmSm90:
         mOffsets = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
         mGather = cute.make_tensor(gather_ptr, cute.make_layout((rows_c,)))
         mBias = cute.make_tensor(bias_ptr, cute.make_layout((num_experts, bias_stride), stride=(bias_stride, 1)))
+        mInverse = cute.make_tensor(inverse_ptr, cute.make_layout((rows_c,)))
+        mWeights = cute.make_tensor(weights_ptr, cute.make_layout((rows_c,)))
         dtype = mA.element_type
         stages = self.num_stages
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -171,7 +185,8 @@ class MoeGemmSm90:
 
         self.storage = Storage
         self.kernel(
-            self.tiled_mma, tma_b0, gB0, tma_b1, gB1, mA, mC, mOffsets, mGather, mBias, sA_layout, sB_layout,
+            self.tiled_mma, tma_b0, gB0, tma_b1, gB1, mA, mC, mOffsets, mGather, mBias, mInverse, mWeights, topk,
+            sA_layout, sB_layout,
         ).launch(grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream)  # fmt: skip
 
     # ---- device side -----------------------------------------------------------------------------
@@ -194,6 +209,9 @@ class MoeGemmSm90:
         mOffsets: cute.Tensor,
         mGather: cute.Tensor,
         mBias: cute.Tensor,
+        mInverse: cute.Tensor,
+        mWeights: cute.Tensor,
+        topk: Int32,
         sA_layout: cute.ComposedLayout,
         sB_layout: cute.ComposedLayout,
     ):
@@ -366,7 +384,11 @@ class MoeGemmSm90:
                         pipe_a.consumer_release(release)
                         pipe_b.consumer_release(release)
                         release.advance()
-                    self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out)
+                    dest = cute.make_rmem_tensor((2,), Int32)
+                    scale = cute.make_rmem_tensor((2,), Float32)
+                    if const_expr(self.epi.router_weight):
+                        self._find_pairs(tCcC, mGather, mInverse, mWeights, topk, row0, rows_left, dest, scale)
+                    self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, dest, scale)
                     tile += grid
                 else:
                     base += e_tiles
@@ -375,9 +397,30 @@ class MoeGemmSm90:
                         e_tiles = self._expert_tiles(mOffsets, e, n_tiles)
 
     @cute.jit
-    def _epilogue(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out):
+    def _find_pairs(self, tCcC, mGather, mInverse, mWeights, topk, row0, rows_left, dest, scale):
+        """For the two rows this thread holds (fragment elements 0 and 2: rows m and m + 8 of the
+        m64 WGMMA accumulator), the pair index and router weight; dest = -1 past the expert's rows."""
+        # The accumulator is ((2 columns, 2 rows 8 apart, N/8 column blocks), 1, 1): element i is in
+        # row half (i // 2) % 2, which _epilogue relies on too.
+        frag = cute.shape(tCcC)
+        assert frag[0][0] == 2 and frag[0][1] == 2 and frag[1] == 1 and frag[2] == 1, frag
+        for h in cutlass.range_constexpr(2):
+            m = tCcC[2 * h][0]
+            dest[h] = -1
+            scale[h] = Float32(0.0)
+            if m < rows_left:
+                row = row0 + m
+                first = mGather[row] * topk
+                for j in range(topk):
+                    if mInverse[first + j] == row:
+                        dest[h] = first + j
+                        scale[h] = mWeights[first + j]
+
+    @cute.jit
+    def _epilogue(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, dest, scale):
         """Apply the recipe's epilogue to this thread's accumulators and store its elements of rows
-        < rows_left and columns < n_out (row0 and col0: the tile's first output row and column)."""
+        < rows_left and columns < n_out (row0 and col0: the tile's first output row and column).
+        With router_weight, dest and scale (from _find_pairs) give each row's pair and weight."""
         epi = self.epi
         out_dtype = mC.element_type
         if const_expr(epi.gate_layout == "interleaved"):
@@ -394,13 +437,17 @@ class MoeGemmSm90:
                     mC[row0 + m, col] = _gated(epi.activation, g, u, epi.alpha, epi.limit).to(out_dtype)
         else:
             # Fragment elements 2j and 2j+1 are adjacent columns of one row: one 32-bit store each.
+            # The accumulator is ((2 columns, 2 rows 8 apart, N/8), 1, 1): element 2j is in row half j % 2.
             pair = cute.make_rmem_tensor((2,), out_dtype)
             store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
             for j in cutlass.range_constexpr(cute.size(acc0) // 2):
                 m, n = tCcC[2 * j]
                 col = col0 + n
+                in_rows = m < rows_left
+                if const_expr(epi.router_weight):
+                    in_rows = dest[j % 2] >= 0
                 # n_out is even (a multiple of 64), so col < n_out covers col + 1 too.
-                if m < rows_left and col < n_out:
+                if in_rows and col < n_out:
                     for v in cutlass.range_constexpr(2):
                         y = acc0[2 * j + v]
                         if const_expr(epi.has_bias):
@@ -413,5 +460,10 @@ class MoeGemmSm90:
                         elif const_expr(epi.activation == "relu2"):
                             y = cute.arch.fmax(y, Float32(0.0))
                             y = y * y
+                        if const_expr(epi.router_weight):
+                            y = y * scale[j % 2]
                         pair[v] = y.to(out_dtype)
-                    cute.copy(store, pair, cute.local_tile(mC[row0 + m, None], (2,), (col // 2,)))
+                    out_row = row0 + m
+                    if const_expr(epi.router_weight):
+                        out_row = dest[j % 2]
+                    cute.copy(store, pair, cute.local_tile(mC[out_row, None], (2,), (col // 2,)))

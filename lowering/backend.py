@@ -60,7 +60,7 @@ def _run_down_reduce(args: dict):
     from cute_kernels import interface
 
     return interface.down_reduce(
-        args["a"], args["w"], args["bias"], args["expert_offsets"], args["topk_weights"], args["inverse"]
+        args["a"], args["w"], args["bias"], args["expert_offsets"], args["gather_idx"], args["topk_weights"], args["inverse"]
     )
 
 
@@ -77,6 +77,8 @@ def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
         return False, "a non-contiguous input; the kernels take contiguous tensors"
     if op == "gate_up":
         return interface.gate_up_support(activation=recipe["activation"], gate_layout=_gate_layout(recipe["activation"], recipe["interleaved"]), **common)
+    if recipe["router_weight_dtype"] != torch.float32:
+        return False, f"router weights in {recipe['router_weight_dtype']}; the kernels take float32"
     return interface.down_reduce_support(**common)
 
 
@@ -120,7 +122,10 @@ def down_reduce_recipe(args: dict) -> dict:
         a_dtype=args["a_dtype"], a_group=tuple(args["a_group"]), w_dtype=args["w_dtype"], w_group=tuple(args["w_group"]),
         has_bias=args["bias"] is not None, w_row_major=w.stride(2) == 1, hidden=w.shape[1], intermediate=args["a"].shape[1],
         quantized=args["a_dtype"] != "none" or args["w_dtype"] != "none",
-        contiguous=_contiguous(args["a"], w, args["bias"], args["expert_offsets"], args["topk_weights"], args["inverse"]),
+        router_weight_dtype=args["topk_weights"].dtype,
+        contiguous=_contiguous(
+            args["a"], w, args["bias"], args["expert_offsets"], args["gather_idx"], args["topk_weights"], args["inverse"]
+        ),
     )  # fmt: skip
 
 

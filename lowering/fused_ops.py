@@ -5,7 +5,9 @@ moe_ops::gate_up    = gather rows + [quantize] + grouped GEMM1 (+ bias) + activa
     where the intermediate is GEMM2's input: quantized storage (I' = I / packing) with its scales when
     out_quant_dtype is not "none", else [P, I] in out_dtype with an empty float32 scale [0].
 moe_ops::down_reduce = grouped GEMM2 (+ bias) + router weight + reduction of each token's k rows
-    (intermediate [P, I'], ..., expert_offsets, topk_weights [M, k], inverse [P]) -> [M, H].
+    (intermediate [P, I'], ..., expert_offsets, gather_idx [P], topk_weights [M, k], inverse [P]) -> [M, H];
+    gather_idx and inverse give each grouped row's pair, so the kernel's GEMM2 epilogue applies the
+    router weight.
 
 Each carries its recipe as op arguments (activation kind and parameters, quantization dtypes and
 groups, bias presence), which is what cute_kernels specialises on. On the CPU (and on CUDA when no
@@ -100,9 +102,9 @@ def _gate_up_fake(
 
 def down_reduce_reference(
     a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
-    bias, expert_offsets, topk_weights, inverse, out_dtype,
+    bias, expert_offsets, gather_idx, topk_weights, inverse, out_dtype,
 ):  # fmt: skip
-    """The reference composition of down_reduce."""
+    """The reference composition of down_reduce (gather_idx is for the kernels' epilogue)."""
     y = grouped_gemm(
         a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
         bias, expert_offsets, None, out_dtype,
@@ -125,6 +127,7 @@ def down_reduce(
     w_group: list[int],
     bias: torch.Tensor | None,
     expert_offsets: torch.Tensor,
+    gather_idx: torch.Tensor,
     topk_weights: torch.Tensor,
     inverse: torch.Tensor,
     out_dtype: torch.dtype,
@@ -138,7 +141,8 @@ def down_reduce(
 @down_reduce.register_fake
 def _down_reduce_fake(
     a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
-    bias, expert_offsets, topk_weights, inverse, out_dtype,
+    bias, expert_offsets, gather_idx, topk_weights, inverse, out_dtype,
 ):  # fmt: skip
     torch._check(inverse.shape[0] == topk_weights.shape[0] * topk_weights.shape[1])
+    torch._check(gather_idx.shape[0] == inverse.shape[0])
     return a.new_empty((topk_weights.shape[0], w.shape[1]), dtype=out_dtype)

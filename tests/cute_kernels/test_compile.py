@@ -19,12 +19,10 @@ cutlass = pytest.importorskip("cutlass")
 from cute_kernels import compile as cc  # noqa: E402
 from cute_kernels import interface  # noqa: E402
 from cute_kernels.moe_gemm import SMEM_CAPACITY, MoeGemmSm90  # noqa: E402
-from cute_kernels.weighted_reduce import WeightedReduceSm90  # noqa: E402
+from cute_kernels.token_sum import TokenSumSm90  # noqa: E402
 
 import cutlass.cute as cute  # noqa: E402
-from cutlass import Int32  # noqa: E402
 
-DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
 VARIANTS = [
     *[(torch.bfloat16, *v) for v in interface.variants(torch.bfloat16, bias_dtypes=(None, torch.bfloat16, torch.float32))],
     *[(torch.float16, *v) for v in interface.variants(torch.float16, bias_dtypes=(None, torch.float16, torch.float32))],
@@ -61,9 +59,7 @@ def _id(v) -> str:
 def test_moe_gemm_variant(variant, tmp_path):
     dtype, epi, gather, bias_dtype, tile_n = variant
     kernel = MoeGemmSm90(epi, tile_n=tile_n, gather=gather, num_sms=132)
-    d = DTYPES[dtype]
-    ptrs = [cc.fake_ptr(d)] * 4 + [cc.fake_ptr(cutlass.Int32)] * 2 + [cc.fake_ptr(DTYPES[bias_dtype])]
-    ptx = _compile(kernel, (*ptrs, *[Int32(64)] * 8, cc.fake_stream()), tmp_path)
+    ptx = _compile(kernel, interface.gemm_compile_args(dtype, bias_dtype), tmp_path)
     # WGMMA on bf16/fp16 operands (m64nNk16), two accumulators for [gate; up].
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(bf16|f16)", ptx)
     assert wgmma and {n for n, _ in wgmma} == {str(kernel.part_n)}
@@ -80,10 +76,8 @@ def test_moe_gemm_variant(variant, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_weighted_reduce(dtype, tmp_path):
-    d = DTYPES[dtype]
-    ptrs = (cc.fake_ptr(d), cc.fake_ptr(cutlass.Float32), cc.fake_ptr(cutlass.Int32), cc.fake_ptr(cutlass.Int32), cc.fake_ptr(d))
-    ptx = _compile(WeightedReduceSm90(), (*ptrs, *[Int32(8)] * 4, cc.fake_stream()), tmp_path)
+def test_token_sum(dtype, tmp_path):
+    ptx = _compile(TokenSumSm90(), interface.token_sum_compile_args(dtype), tmp_path)
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "16-byte loads and stores"
     assert "atom." not in ptx and "red." not in ptx, "no atomics: the reduction is deterministic"
     assert ".local" not in ptx

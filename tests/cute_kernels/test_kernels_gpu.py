@@ -33,7 +33,7 @@ def run_layer(interface, x, w13, w2, tw, plan, activation="silu", alpha=1.702, l
     inter = torch.full((gather.shape[0], inter_dim), float("nan"), device=x.device, dtype=x.dtype)
     out = torch.full((tw.shape[0], h), float("nan"), device=x.device, dtype=x.dtype)
     interface.gate_up(x, w13, b13, offsets, gather, activation=activation, alpha=alpha, limit=limit, gate_layout=layout, out=inter)
-    interface.down_reduce(inter, w2, b2, offsets, tw, inverse, out=out)
+    interface.down_reduce(inter, w2, b2, offsets, gather, tw, inverse, out=out)
     return inter, out
 
 
@@ -117,7 +117,7 @@ def test_cuda_graph_replay_matches_eager(interface):
     def layer():
         plan = routing_plan(ti, e, None)
         inter = interface.gate_up(x, w13, None, plan[0], plan[1], activation="silu", alpha=1.702, limit=7.0, gate_layout="concat")
-        return interface.down_reduce(inter, w2, None, plan[0], tw, plan[2])
+        return interface.down_reduce(inter, w2, None, plan[0], plan[1], tw, plan[2])
 
     layer()  # compiles before capture
     torch.cuda.synchronize()

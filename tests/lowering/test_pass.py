@@ -434,7 +434,7 @@ def build_layer(recipe: str, m: int):
     dr = [
         inter, inter_scale if aq is not None else None, t2["a_global_scale"], a_dtype, a_group,
         q2, t2["w_scale"], t2["w_global_scale"], t2["w_zero"], w_dtype, w_group,
-        t2["bias"], offsets, topk_weights, inverse, dtype,
+        t2["bias"], offsets, gather_idx, topk_weights, inverse, dtype,
     ]  # fmt: skip
     ctx = dict(dtype=dtype, scheme=scheme, act=act, config=config, q13=q13, q2=q2, t13=t13, t2=t2,
                x=x, topk_weights=topk_weights, topk_ids=topk_ids)  # fmt: skip
@@ -508,7 +508,7 @@ def test_fused_ops_equal_primitive_composition(recipe, m):
 
     # down_reduce == grouped_gemm (no gather) -> weighted_reduce
     (a2, a2_scale, a2_global, a2_dtype, a2_group, w2, w2_scale, w2_global, w2_zero, w2_dtype, w2_group, bias2,
-     offsets2, topk_weights, inverse, out_dtype2) = dr  # fmt: skip
+     offsets2, _gather2, topk_weights, inverse, out_dtype2) = dr  # fmt: skip
     y = grouped_gemm(a2, a2_scale, a2_global, a2_dtype, a2_group, w2, w2_scale, w2_global, w2_zero, w2_dtype,
                      w2_group, bias2, offsets2, None, out_dtype2)  # fmt: skip
     want_out = weighted_reduce(y, topk_weights, inverse, offsets2)
