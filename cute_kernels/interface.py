@@ -43,16 +43,19 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def choose_tile_n(gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int) -> int:
-    """The largest B-rows-per-tile whose work tiles still cover every SM, for M tokens routed to k of
-    E experts (assumed spread evenly; a host-side shape heuristic, no data read). Large tiles reuse
-    each gathered A tile for more columns; small ones split the weights of a few active experts over
-    all SMs when M is small (weight streaming)."""
+    """B rows per tile for M tokens routed to k of E experts (assumed spread evenly; a host-side shape
+    rule, no data read), from bench/tile_sweep.py on an H200 (bench/NOTES.md, v2):
+    - gated GEMM1: 256 once an expert averages 64 rows (M*k/E >= 64: each gathered A tile then feeds
+      more columns), else 128 (more tiles to spread few rows' weight streaming over the SMs);
+    - otherwise the largest tile that still gives every SM two tiles: one wave leaves SMs idle behind
+      ragged experts, more small tiles re-read A."""
     pairs = m * k
+    if gate_layout != "none":
+        return 256 if pairs >= 64 * num_experts else 128
     active = max(1, min(num_experts, pairs))
     m_tiles = active * _cdiv(_cdiv(pairs, active), TILE_M)
     for tile_n in TILE_N[gate_layout]:
-        out_n = tile_n // 2 if gate_layout != "none" else tile_n
-        if m_tiles * _cdiv(n_out, out_n) >= sms:
+        if m_tiles * _cdiv(n_out, tile_n) >= 2 * sms:
             return tile_n
     return TILE_N[gate_layout][-1]
 
@@ -151,9 +154,10 @@ def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride, i
     )  # fmt: skip
 
 
-def gate_up(x, w, bias, offsets, gather, *, activation: str, alpha: float, limit: float, gate_layout: str, out=None):
+def gate_up(x, w, bias, offsets, gather, *, activation: str, alpha: float, limit: float, gate_layout: str, out=None, tile_n=None):
     """[P, I] = act(x[gather] @ w[e].T + bias[e]) per expert; see the module docstring. Rows of
-    dropped pairs (at or past offsets[E]) are left unwritten. out: an optional [P, I] destination."""
+    dropped pairs (at or past offsets[E]) are left unwritten. out: an optional [P, I] destination.
+    tile_n: one of TILE_N[gate_layout] instead of choose_tile_n's (for tile sweeps)."""
     num_experts, n, hidden = w.shape
     inter = n // 2 if activation in GATED else n
     if out is None:
@@ -162,7 +166,7 @@ def gate_up(x, w, bias, offsets, gather, *, activation: str, alpha: float, limit
         return out
     epi = Epilogue(activation, gate_layout, float(alpha), float(limit), has_bias=bias is not None)
     sms = num_sms(x.device.index)
-    tile_n = choose_tile_n(gate_layout, inter, x.shape[0], gather.shape[0] // max(x.shape[0], 1), num_experts, sms)
+    tile_n = tile_n or choose_tile_n(gate_layout, inter, x.shape[0], gather.shape[0] // max(x.shape[0], 1), num_experts, sms)
     fn = _gemm(epi, True, x.dtype, bias.dtype if bias is not None else x.dtype, sms, tile_n)
     if gate_layout == "concat":
         # The up rows of each expert start I rows after its gate rows; the kernel reads both as parts.
@@ -173,9 +177,10 @@ def gate_up(x, w, bias, offsets, gather, *, activation: str, alpha: float, limit
     return out
 
 
-def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None):
+def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, tile_n=None):
     """[M, H] = sum_j topk_weights[m, j] * (a[inverse[m*k+j]] @ w[e].T + bias[e]); see the module
-    docstring. Every element of the output is written. out: an optional [M, H] destination."""
+    docstring. Every element of the output is written. out: an optional [M, H] destination.
+    tile_n: one of TILE_N["none"] instead of choose_tile_n's (for tile sweeps)."""
     num_experts, hidden, inter = w.shape
     m, k = topk_weights.shape
     if out is None:
@@ -185,7 +190,8 @@ def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None):
     y = torch.empty(a.shape[0], hidden, dtype=a.dtype, device=a.device)
     epi = Epilogue("none", "none", has_bias=bias is not None, router_weight=True)
     sms = num_sms(a.device.index)
-    fn = _gemm(epi, False, a.dtype, bias.dtype if bias is not None else a.dtype, sms, choose_tile_n("none", hidden, m, k, num_experts, sms))
+    tile_n = tile_n or choose_tile_n("none", hidden, m, k, num_experts, sms)
+    fn = _gemm(epi, False, a.dtype, bias.dtype if bias is not None else a.dtype, sms, tile_n)
     _launch_gemm(fn, a, (w, w), y, offsets, gather, bias, hidden, hidden * inter, inverse, topk_weights, k)
     _token_sum(a.dtype)(
         _ptr(y), _ptr(inverse), _ptr(offsets), _ptr(out), Int32(m), Int32(k), Int32(hidden), Int32(num_experts), _stream(a.device),

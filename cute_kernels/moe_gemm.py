@@ -46,6 +46,12 @@ from cutlass.utils import SmemAllocator
 SMEM_CAPACITY = 232448  # sm_90: 227 KB per block
 _LOG2E = 1.4426950408889634
 _SQRT_2_OVER_PI = 0.7978845608028654
+# Epilogue staging: 64 output columns at a time per warp, rows padded to 72 elements (144 bytes) so the
+# 16 rows of a warp's 32-bit writes fall in different banks.
+EPI_COLS = 64
+EPI_STRIDE = 72
+EPI_WARPS = 8
+EPI_BYTES = EPI_WARPS * 16 * (EPI_STRIDE * 2 + 4)
 
 
 @dataclass(frozen=True)
@@ -112,9 +118,10 @@ class MoeGemmSm90:
             raise ValueError(f"tile_n={tile_n} gives {self.part_n} rows per B part; allowed: 64, 128, 256")
         # Output columns per tile.
         self.out_n = self.part_n // 2 if epilogue.gate_layout == "interleaved" else self.part_n
-        # 16-bit operands: A tile + B parts per stage; the rest of shared memory is barriers.
+        # 16-bit operands: A tile + B parts per stage; the rest of shared memory is the epilogue's
+        # staging buffers and barriers.
         stage_bytes = (self.tile_m + self.num_parts * self.part_n) * self.tile_k * 2
-        self.num_stages = stages if stages is not None else min(8, (SMEM_CAPACITY - 4096) // stage_bytes)
+        self.num_stages = stages if stages is not None else min(8, (SMEM_CAPACITY - 4096 - EPI_BYTES) // stage_bytes)
 
     # ---- host side -------------------------------------------------------------------------------
 
@@ -182,6 +189,8 @@ class MoeGemmSm90:
             sA: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sA_layout)], 1024]
             sB0: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout)], 1024]
             sB1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout) * (self.num_parts - 1) + 8], 1024]
+            sEpi: cute.struct.Align[cute.struct.MemRange[mC.element_type, EPI_WARPS * 16 * EPI_STRIDE], 128]
+            sDest: cute.struct.Align[cute.struct.MemRange[Int32, EPI_WARPS * 16], 16]
 
         self.storage = Storage
         self.kernel(
@@ -332,6 +341,8 @@ class MoeGemmSm90:
         else:
             # ------------------------------- consumers --------------------------------------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
+            sEpi = storage.sEpi.get_tensor(cute.make_layout((16, EPI_STRIDE, EPI_WARPS), stride=(EPI_STRIDE, 1, 16 * EPI_STRIDE)))
+            sDest = storage.sDest.get_tensor(cute.make_layout((16, EPI_WARPS), stride=(1, 16)))
             ctid = tidx - 128
             thr_mma = tiled_mma.get_slice(ctid)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
@@ -388,7 +399,9 @@ class MoeGemmSm90:
                     scale = cute.make_rmem_tensor((2,), Float32)
                     if const_expr(self.epi.router_weight):
                         self._find_pairs(tCcC, mGather, mInverse, mWeights, topk, row0, rows_left, dest, scale)
-                    self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, dest, scale)
+                    self._epilogue(
+                        acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, dest, scale, sEpi, sDest
+                    )
                     tile += grid
                 else:
                     base += e_tiles
@@ -417,7 +430,7 @@ class MoeGemmSm90:
                         scale[h] = mWeights[first + j]
 
     @cute.jit
-    def _epilogue(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, dest, scale):
+    def _epilogue(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, dest, scale, sEpi, sDest):
         """Apply the recipe's epilogue to this thread's accumulators and store its elements of rows
         < rows_left and columns < n_out (row0 and col0: the tile's first output row and column).
         With router_weight, dest and scale (from _find_pairs) give each row's pair and weight."""
@@ -436,34 +449,56 @@ class MoeGemmSm90:
                         u = u + mBias[e, 2 * col + 1].to(Float32)
                     mC[row0 + m, col] = _gated(epi.activation, g, u, epi.alpha, epi.limit).to(out_dtype)
         else:
-            # Fragment elements 2j and 2j+1 are adjacent columns of one row: one 32-bit store each.
-            # The accumulator is ((2 columns, 2 rows 8 apart, N/8), 1, 1): element 2j is in row half j % 2.
-            pair = cute.make_rmem_tensor((2,), out_dtype)
-            store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
-            for j in cutlass.range_constexpr(cute.size(acc0) // 2):
-                m, n = tCcC[2 * j]
-                col = col0 + n
-                in_rows = m < rows_left
-                if const_expr(epi.router_weight):
-                    in_rows = dest[j % 2] >= 0
-                # n_out is even (a multiple of 64), so col < n_out covers col + 1 too.
-                if in_rows and col < n_out:
-                    for v in cutlass.range_constexpr(2):
-                        y = acc0[2 * j + v]
-                        if const_expr(epi.has_bias):
-                            y = y + mBias[e, col + v].to(Float32)
-                        if const_expr(epi.gate_layout == "concat"):
-                            u = acc1[2 * j + v]
-                            if const_expr(epi.has_bias):
-                                u = u + mBias[e, n_out + col + v].to(Float32)
-                            y = _gated(epi.activation, y, u, epi.alpha, epi.limit)
-                        elif const_expr(epi.activation == "relu2"):
-                            y = cute.arch.fmax(y, Float32(0.0))
-                            y = y * y
-                        if const_expr(epi.router_weight):
-                            y = y * scale[j % 2]
-                        pair[v] = y.to(out_dtype)
-                    out_row = row0 + m
+            # Staged through shared memory so global stores are 16 bytes wide and row-contiguous: each
+            # warp owns 16 rows (fragment elements 2j and 2j+1 are adjacent columns of the row half
+            # j % 2, rows 8 apart); per 64-column chunk it writes its values into its own padded
+            # [16, EPI_STRIDE] buffer, then each lane stores 16-byte pieces of whole rows.
+            tidx, _, _ = cute.arch.thread_idx()
+            warp = (tidx - 128) // 32
+            lane = tidx % 32
+            row_base = tCcC[0][0] - lane // 4  # the warp's first row in the tile
+            if lane % 4 == 0:
+                for h in cutlass.range_constexpr(2):
+                    m = tCcC[2 * h][0]
+                    sDest[m - row_base, warp] = -1
                     if const_expr(epi.router_weight):
-                        out_row = dest[j % 2]
-                    cute.copy(store, pair, cute.local_tile(mC[out_row, None], (2,), (col // 2,)))
+                        sDest[m - row_base, warp] = dest[h]
+                    else:
+                        if m < rows_left:
+                            sDest[m - row_base, warp] = row0 + m
+            pair = cute.make_rmem_tensor((2,), out_dtype)
+            piece = cute.make_rmem_tensor((8,), out_dtype)
+            store32 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
+            copy128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=128)
+            for q in cutlass.range_constexpr(self.out_n // EPI_COLS):
+                # n_out and col0 are multiples of 64: a chunk is wholly inside or outside the output.
+                if col0 + q * EPI_COLS < n_out:
+                    for j in cutlass.range_constexpr(q * EPI_COLS // 4, (q + 1) * EPI_COLS // 4):
+                        m, n = tCcC[2 * j]
+                        col = col0 + n
+                        for v in cutlass.range_constexpr(2):
+                            y = acc0[2 * j + v]
+                            if const_expr(epi.has_bias):
+                                y = y + mBias[e, col + v].to(Float32)
+                            if const_expr(epi.gate_layout == "concat"):
+                                u = acc1[2 * j + v]
+                                if const_expr(epi.has_bias):
+                                    u = u + mBias[e, n_out + col + v].to(Float32)
+                                y = _gated(epi.activation, y, u, epi.alpha, epi.limit)
+                            elif const_expr(epi.activation == "relu2"):
+                                y = cute.arch.fmax(y, Float32(0.0))
+                                y = y * y
+                            if const_expr(epi.router_weight):
+                                y = y * scale[j % 2]
+                            pair[v] = y.to(out_dtype)
+                        cute.copy(store32, pair, cute.local_tile(sEpi[m - row_base, None, warp], (2,), ((n - q * EPI_COLS) // 2,)))
+                    cute.arch.sync_warp()
+                    for t in cutlass.range_constexpr(16 * EPI_COLS // 8 // 32):
+                        r = (lane + 32 * t) // (EPI_COLS // 8)
+                        c = (lane + 32 * t) % (EPI_COLS // 8)
+                        out_row = sDest[r, warp]
+                        if out_row >= 0:
+                            cute.copy(copy128, cute.local_tile(sEpi[r, None, warp], (8,), (c,)), piece)
+                            cute.copy(copy128, piece, cute.local_tile(mC[out_row, None], (8,), ((col0 + q * EPI_COLS) // 8 + c,)))
+                    # The next chunk overwrites the buffer.
+                    cute.arch.sync_warp()

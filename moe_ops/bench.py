@@ -7,7 +7,8 @@ For each shape (E, top-k, H, I) and token count M, with uniform random routing a
   torch._grouped_mm, SiLU-and-mul, torch._grouped_mm, weight and sum), also replayed in a CUDA graph;
 - speed of light: the larger of the active experts' weight bytes over the device's copy bandwidth
   and the FLOPs over its dense bf16 matmul rate, both measured in the same run.
-Median of many replays after warm-up. Writes results.md, results.json and results.png to
+Median of many replays after warm-up; "launches" counts the kernels one call of our layer runs (the
+profiler, outside the graph). Writes results.md, results.json and results.png to
 bench/results/<gpu-name>/ (or --out).
 """
 from __future__ import annotations
@@ -55,11 +56,28 @@ def graph_time_us(fn, replays: int, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
+def kernel_launches(fn) -> list[str]:
+    """The names of the GPU kernels one call of fn() launches (after a warm-up call), by the profiler."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def measure_ceilings() -> tuple[float, float]:
-    """(copy bandwidth in bytes/s counting read + write, dense bf16 matmul rate in FLOP/s)."""
+    """(copy bandwidth in bytes/s counting read + write, dense bf16 matmul rate in FLOP/s).
+
+    The copy is the faster of two 1 GiB copies: torch's copy_ (a device-to-device memcpy) and an
+    elementwise kernel writing src * 1. On the lent H100 and H200 the memcpy reaches only about 60% of
+    what the elementwise kernel does, which would understate the bound and overstate % SoL."""
     src = torch.randn(1 << 28, device="cuda", dtype=torch.float32)  # 1 GiB
     dst = torch.empty_like(src)
-    copy_us = graph_time_us(lambda: dst.copy_(src), 50)
+    copy_us = min(
+        graph_time_us(lambda: dst.copy_(src), 50),
+        graph_time_us(lambda: torch.mul(src, 1.0, out=dst), 50),
+    )
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_us = graph_time_us(lambda: a @ b, 50)
@@ -85,6 +103,43 @@ def torch_grouped_mm_layer(x, w13, w2, topk_weights, topk_ids):
     out = torch.empty_like(y)
     out[order] = y
     return out.view(m, k, -1).float().sum(1).to(x.dtype)
+
+
+_COMPILE_PROBE = """
+import json, sys, time, torch
+t0 = time.perf_counter()
+from cute_kernels import interface
+from moe_ops.plan import routing_plan
+e, k, h, i = map(int, sys.argv[1:5])
+x = torch.randn(16, h, device="cuda", dtype=torch.bfloat16)
+w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16)
+w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16)
+tw = torch.rand(16, k, device="cuda")
+ids = torch.randint(0, e, (16, k), device="cuda", dtype=torch.int32)
+offsets, gather, inverse = routing_plan(ids, e, None)
+torch.cuda.synchronize()
+t1 = time.perf_counter()
+inter = interface.gate_up(x, w13, None, offsets, gather, activation="silu", alpha=1.702, limit=7.0, gate_layout="concat")
+interface.down_reduce(inter, w2, None, offsets, gather, tw, inverse)
+torch.cuda.synchronize()
+print(json.dumps(dict(import_s=t1 - t0, kernels_s=time.perf_counter() - t1, how=sorted({v[0] for v in interface.cc.timings.values()}))))
+"""
+
+
+def compile_times(name: str) -> dict:
+    """Seconds to get one layer's kernels (GEMM1, GEMM2, token sum) for shape `name` ready, in a fresh
+    process: cold (empty disk cache: the CuTe DSL compiles) and warm (loaded from the disk cache)."""
+    import tempfile
+
+    e, k, h, i = SHAPES[name]
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, MOE_OPS_CUTE_CACHE=cache)
+        for run_name in ("cold", "warm"):
+            proc = subprocess.run([sys.executable, "-c", _COMPILE_PROBE, str(e), str(k), str(h), str(i)],
+                                  capture_output=True, text=True, env=env, check=True)  # fmt: skip
+            out[run_name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
 
 
 def git_commit() -> str:
@@ -125,6 +180,7 @@ def run(shapes, tokens, replays: int) -> list[dict]:
             topk_ids = topk_ids.to(torch.int32)
             with torch.fx.experimental._config.patch(backed_size_oblivious=True):
                 ours_us = graph_time_us(lambda: layer(x, w13, w2, topk_weights, topk_ids), replays)
+                launches = len(kernel_launches(lambda: layer(x, w13, w2, topk_weights, topk_ids)))
             torch_us = graph_time_us(lambda: torch_grouped_mm_layer(x, w13, w2, topk_weights, topk_ids), replays)
             active = int(torch.unique(topk_ids).numel())  # host sync: benchmark setup only
             weight_bytes = active * 3 * i * h * 2
@@ -132,7 +188,7 @@ def run(shapes, tokens, replays: int) -> list[dict]:
             sol_us = max(weight_bytes / bandwidth, flops / rate) * 1e6
             records.append(dict(
                 shape=name, E=e, k=k, H=h, I=i, M=m, ours_us=ours_us, torch_us=torch_us, sol_us=sol_us,
-                active_experts=active, bandwidth_Bps=bandwidth, matmul_flops=rate, gpu=gpu,
+                active_experts=active, launches=launches, bandwidth_Bps=bandwidth, matmul_flops=rate, gpu=gpu,
                 torch=torch.__version__, commit=git_commit(),
                 tflops=flops / (ours_us * 1e-6) / 1e12, weight_TBps=weight_bytes / (ours_us * 1e-6) / 1e12,
                 pct_sol=100 * sol_us / ours_us,
@@ -150,13 +206,14 @@ def table(records: list[dict]) -> str:
         f"GPU: {r0['gpu']}; torch {r0['torch']}; commit {r0['commit'][:12]}; measured copy bandwidth "
         f"{r0['bandwidth_Bps'] / 1e12:.2f} TB/s, dense bf16 matmul {r0['matmul_flops'] / 1e12:.0f} TFLOP/s",
         "",
-        "| shape (E, k, H, I) | M | ours µs | torch µs | speedup | SoL µs | % SoL | TFLOP/s | weight TB/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| shape (E, k, H, I) | M | ours µs | torch µs | speedup | SoL µs | % SoL | TFLOP/s | weight TB/s | launches |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         lines.append(
             f"| {r['shape']} ({r['E']}, {r['k']}, {r['H']}, {r['I']}) | {r['M']} | {r['ours_us']:.1f} | {r['torch_us']:.1f} | "
-            f"{r['torch_us'] / r['ours_us']:.2f}x | {r['sol_us']:.1f} | {r['pct_sol']:.0f}% | {r['tflops']:.0f} | {r['weight_TBps']:.2f} |"
+            f"{r['torch_us'] / r['ours_us']:.2f}x | {r['sol_us']:.1f} | {r['pct_sol']:.0f}% | {r['tflops']:.0f} | {r['weight_TBps']:.2f} | "
+            f"{r['launches']} |"
         )
     return "\n".join(lines)
 
@@ -196,10 +253,17 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--out", type=Path, default=None, help="default: bench/results/<gpu-name>/")
+    parser.add_argument("--compile-times", action="store_true", help="only time cold and warm kernel compiles per shape")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("moe_ops.bench needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.compile_times:
+        for name in args.shapes:
+            t = compile_times(name)
+            print(f"{name}: cold {t['cold']['kernels_s']:.1f} s ({t['cold']['how']}), warm {t['warm']['kernels_s']:.2f} s "
+                  f"({t['warm']['how']}); imports {t['cold']['import_s']:.1f} / {t['warm']['import_s']:.1f} s")  # fmt: skip
+        return 0
     records = run(args.shapes, args.tokens, args.replays)
     out = args.out or Path("bench/results") / torch.cuda.get_device_name().replace(" ", "-")
     out.mkdir(parents=True, exist_ok=True)

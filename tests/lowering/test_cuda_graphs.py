@@ -178,3 +178,31 @@ def test_explain_reports_cute_backend_and_kernels_run(monkeypatch):
         with lowering.enabled():
             compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)(x, topk_weights, topk_ids)
     assert relative_error(compiled, eager) <= tolerance(DTYPE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 300])
+def test_compiled_layer_is_four_launches_without_host_sync(m):
+    """fused_experts compiled with the lowering on sm_90: the routing plan (one Triton kernel), GEMM1,
+    GEMM2 and the per-token sum, and no device-to-host synchronisation while it runs."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the CuTe DSL kernels need sm_90")
+    from moe_ops.bench import kernel_launches
+
+    e, k, h, i = 16, 4, 512, 256
+    w13 = (torch.randn(e, 2 * i, h, device="cuda") / h**0.5).to(DTYPE)
+    w2 = (torch.randn(e, h, i, device="cuda") / i**0.5).to(DTYPE)
+    x = torch.randn(m, h, device="cuda", dtype=DTYPE)
+    topk_weights, topk_ids = moe_ops.route(torch.randn(m, e, device="cuda"), k)
+    lowering.install(require_kernels=True)
+    layer = torch.compile(moe_ops.fused_experts, fullgraph=True)
+    layer(x, w13, w2, topk_weights, topk_ids)  # compile outside the checked call
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    out = layer(x, w13, w2, topk_weights, topk_ids)
+    torch.cuda.set_sync_debug_mode("default")
+    names = kernel_launches(lambda: layer(x, w13, w2, topk_weights, topk_ids))
+    assert len(names) == 4, names
+    assert "routing_plan" in names[0], names
+    eager = moe_ops.fused_experts(x, w13, w2, topk_weights, topk_ids)
+    assert relative_error(out, eager) <= tolerance(DTYPE)

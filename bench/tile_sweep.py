@@ -1,0 +1,59 @@
+"""python bench/tile_sweep.py: time GEMM1 (gate_up) and GEMM2 + token sum (down_reduce) alone, in CUDA
+graphs, for every tile_n the kernels offer, at the benchmark's shapes and token counts; and the memory
+probes behind the speed-of-light bound. The data behind interface.choose_tile_n. Prints a markdown table."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from cute_kernels import interface
+from moe_ops.bench import SHAPES, TOKENS, graph_time_us
+from moe_ops.plan import routing_plan
+
+
+def memory_probes() -> None:
+    src = torch.randn(1 << 28, device="cuda")
+    dst = torch.empty_like(src)
+    gib = src.numel() * 4
+    for name, fn, nbytes in (
+        ("memcpy (copy_)", lambda: dst.copy_(src), 2 * gib),
+        ("elementwise (mul out=)", lambda: torch.mul(src, 1.0, out=dst), 2 * gib),
+        ("read-only (sum)", lambda: src.sum(), gib),
+    ):
+        us = graph_time_us(fn, 30)
+        print(f"{name}: {nbytes / us / 1e6:.2f} TB/s ({us:.0f} µs)")
+
+
+def main(tokens) -> None:
+    print(torch.cuda.get_device_name(), torch.__version__)
+    memory_probes()
+    print("| shape | M | gate_up µs by tile_n | down_reduce µs by tile_n | heuristic (gate, down) |")
+    print("|---|---|---|---|---|")
+    sms = interface.num_sms(0)
+    for name, (e, k, h, i) in SHAPES.items():
+        w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) / h**0.5
+        w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) / i**0.5
+        for m in tokens:
+            x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+            tw, ids = torch.softmax(torch.randn(m, e, device="cuda"), -1).topk(k, dim=-1)
+            tw, ids = tw.contiguous(), ids.to(torch.int32)
+            offsets, gather, inverse = routing_plan(ids, e, None)
+            inter = torch.empty(m * k, i, device="cuda", dtype=torch.bfloat16)
+            gu = {}
+            for tn in interface.TILE_N["concat"]:
+                gu[tn] = graph_time_us(lambda: interface.gate_up(
+                    x, w13, None, offsets, gather, activation="silu", alpha=1.702, limit=7.0,
+                    gate_layout="concat", out=inter, tile_n=tn), 30)  # fmt: skip
+            dr = {}
+            for tn in interface.TILE_N["none"]:
+                dr[tn] = graph_time_us(lambda: interface.down_reduce(inter, w2, None, offsets, gather, tw, inverse, tile_n=tn), 30)
+            pick = (interface.choose_tile_n("concat", i, m, k, e, sms), interface.choose_tile_n("none", h, m, k, e, sms))
+            fmt = lambda d: ", ".join(f"{tn}: {us:.1f}" for tn, us in d.items())  # noqa: E731
+            print(f"| {name} | {m} | {fmt(gu)} | {fmt(dr)} | {pick} |", flush=True)
+        del w13, w2
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main([int(t) for t in sys.argv[1:]] or list(TOKENS))
