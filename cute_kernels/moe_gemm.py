@@ -98,6 +98,7 @@ class MoeGemmSm90:
     """See the module docstring. tile_n: B rows per tile over all parts (128 or 256)."""
 
     tile_m = 128
+    skip_idle_wg = True
     tile_k = 64
     num_consumer_wgs = 2
     threads = 128 * (1 + num_consumer_wgs)
@@ -107,6 +108,9 @@ class MoeGemmSm90:
     consumer_regs = 224
 
     def __init__(self, epilogue: Epilogue, *, tile_n: int = 256, gather: bool, num_sms: int = 132, stages: int | None = None):
+        # Epilogue stores staged through shared memory (16-byte, row-contiguous) for GEMM2 only. Same-run
+        # A/B on an H200 (bench/NOTES.md, v2): GEMM2 at M = 8192 10-18% faster; GEMM1 mixed (-8% to +10%).
+        self.staged = epilogue.router_weight
         if 128 * (self.producer_regs + self.num_consumer_wgs * self.consumer_regs) > 65536:
             raise ValueError("producer and consumer register budgets exceed the 64K-register file")
         self.epi = epilogue
@@ -121,7 +125,8 @@ class MoeGemmSm90:
         # 16-bit operands: A tile + B parts per stage; the rest of shared memory is the epilogue's
         # staging buffers and barriers.
         stage_bytes = (self.tile_m + self.num_parts * self.part_n) * self.tile_k * 2
-        self.num_stages = stages if stages is not None else min(8, (SMEM_CAPACITY - 4096 - EPI_BYTES) // stage_bytes)
+        epi_bytes = EPI_BYTES if self.staged else 0
+        self.num_stages = stages if stages is not None else min(8, (SMEM_CAPACITY - 4096 - epi_bytes) // stage_bytes)
 
     # ---- host side -------------------------------------------------------------------------------
 
@@ -189,8 +194,8 @@ class MoeGemmSm90:
             sA: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sA_layout)], 1024]
             sB0: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout)], 1024]
             sB1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout) * (self.num_parts - 1) + 8], 1024]
-            sEpi: cute.struct.Align[cute.struct.MemRange[mC.element_type, EPI_WARPS * 16 * EPI_STRIDE], 128]
-            sDest: cute.struct.Align[cute.struct.MemRange[Int32, EPI_WARPS * 16], 16]
+            sEpi: cute.struct.Align[cute.struct.MemRange[mC.element_type, EPI_WARPS * 16 * EPI_STRIDE if self.staged else 8], 128]
+            sDest: cute.struct.Align[cute.struct.MemRange[Int32, EPI_WARPS * 16 if self.staged else 4], 16]
 
         self.storage = Storage
         self.kernel(
@@ -374,14 +379,21 @@ class MoeGemmSm90:
                         acc1.fill(0.0)
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.fence()
+                    # A warpgroup whose 64 rows are all past the expert's last row skips its MMAs (it
+                    # still takes part in the pipeline): at small M most tiles hold a few rows, and the
+                    # tensor cores then serve the weight stream of the other warpgroup alone.
+                    has_rows = rows_left > 64 * (ctid // 128)
+                    if const_expr(not self.skip_idle_wg):
+                        has_rows = rows_left > -1
                     for kt in range(k_tiles):
                         pipe_a.consumer_wait(read)
                         pipe_b.consumer_wait(read)
-                        for kb in cutlass.range_constexpr(num_k_blocks):
-                            coord = (None, None, kb, read.index)
-                            cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
-                            if const_expr(self.num_parts == 2):
-                                cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
+                        if has_rows:
+                            for kb in cutlass.range_constexpr(num_k_blocks):
+                                coord = (None, None, kb, read.index)
+                                cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
+                                if const_expr(self.num_parts == 2):
+                                    cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
                         warpgroup.commit_group()
                         # Keep one k-tile of WGMMAs in flight; free the buffer of the one before it.
                         warpgroup.wait_group(1)
@@ -449,33 +461,73 @@ class MoeGemmSm90:
                         u = u + mBias[e, 2 * col + 1].to(Float32)
                     mC[row0 + m, col] = _gated(epi.activation, g, u, epi.alpha, epi.limit).to(out_dtype)
         else:
-            # Staged through shared memory so global stores are 16 bytes wide and row-contiguous: each
-            # warp owns 16 rows (fragment elements 2j and 2j+1 are adjacent columns of the row half
-            # j % 2, rows 8 apart); per 64-column chunk it writes its values into its own padded
-            # [16, EPI_STRIDE] buffer, then each lane stores 16-byte pieces of whole rows.
-            tidx, _, _ = cute.arch.thread_idx()
-            warp = (tidx - 128) // 32
-            lane = tidx % 32
-            row_base = tCcC[0][0] - lane // 4  # the warp's first row in the tile
-            if lane % 4 == 0:
-                for h in cutlass.range_constexpr(2):
-                    m = tCcC[2 * h][0]
-                    sDest[m - row_base, warp] = -1
+            if const_expr(self.staged):
+                # Staged through shared memory so global stores are 16 bytes wide and row-contiguous: each
+                # warp owns 16 rows (fragment elements 2j and 2j+1 are adjacent columns of the row half
+                # j % 2, rows 8 apart); per 64-column chunk it writes its values into its own padded
+                # [16, EPI_STRIDE] buffer, then each lane stores 16-byte pieces of whole rows.
+                tidx, _, _ = cute.arch.thread_idx()
+                warp = (tidx - 128) // 32
+                lane = tidx % 32
+                row_base = tCcC[0][0] - lane // 4  # the warp's first row in the tile
+                if lane % 4 == 0:
+                    for h in cutlass.range_constexpr(2):
+                        m = tCcC[2 * h][0]
+                        sDest[m - row_base, warp] = -1
+                        if const_expr(epi.router_weight):
+                            sDest[m - row_base, warp] = dest[h]
+                        else:
+                            if m < rows_left:
+                                sDest[m - row_base, warp] = row0 + m
+                pair = cute.make_rmem_tensor((2,), out_dtype)
+                piece = cute.make_rmem_tensor((8,), out_dtype)
+                store32 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
+                copy128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=128)
+                for q in cutlass.range_constexpr(self.out_n // EPI_COLS):
+                    # n_out and col0 are multiples of 64: a chunk is wholly inside or outside the output.
+                    if col0 + q * EPI_COLS < n_out:
+                        for j in cutlass.range_constexpr(q * EPI_COLS // 4, (q + 1) * EPI_COLS // 4):
+                            m, n = tCcC[2 * j]
+                            col = col0 + n
+                            for v in cutlass.range_constexpr(2):
+                                y = acc0[2 * j + v]
+                                if const_expr(epi.has_bias):
+                                    y = y + mBias[e, col + v].to(Float32)
+                                if const_expr(epi.gate_layout == "concat"):
+                                    u = acc1[2 * j + v]
+                                    if const_expr(epi.has_bias):
+                                        u = u + mBias[e, n_out + col + v].to(Float32)
+                                    y = _gated(epi.activation, y, u, epi.alpha, epi.limit)
+                                elif const_expr(epi.activation == "relu2"):
+                                    y = cute.arch.fmax(y, Float32(0.0))
+                                    y = y * y
+                                if const_expr(epi.router_weight):
+                                    y = y * scale[j % 2]
+                                pair[v] = y.to(out_dtype)
+                            cute.copy(store32, pair, cute.local_tile(sEpi[m - row_base, None, warp], (2,), ((n - q * EPI_COLS) // 2,)))
+                        cute.arch.sync_warp()
+                        for t in cutlass.range_constexpr(16 * EPI_COLS // 8 // 32):
+                            r = (lane + 32 * t) // (EPI_COLS // 8)
+                            c = (lane + 32 * t) % (EPI_COLS // 8)
+                            out_row = sDest[r, warp]
+                            if out_row >= 0:
+                                cute.copy(copy128, cute.local_tile(sEpi[r, None, warp], (8,), (c,)), piece)
+                                cute.copy(copy128, piece, cute.local_tile(mC[out_row, None], (8,), ((col0 + q * EPI_COLS) // 8 + c,)))
+                        # The next chunk overwrites the buffer.
+                        cute.arch.sync_warp()
+            else:
+                # Fragment elements 2j and 2j+1 are adjacent columns of one row: one 32-bit store each.
+                # The accumulator is ((2 columns, 2 rows 8 apart, N/8), 1, 1): element 2j is in row half j % 2.
+                pair = cute.make_rmem_tensor((2,), out_dtype)
+                store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
+                for j in cutlass.range_constexpr(cute.size(acc0) // 2):
+                    m, n = tCcC[2 * j]
+                    col = col0 + n
+                    in_rows = m < rows_left
                     if const_expr(epi.router_weight):
-                        sDest[m - row_base, warp] = dest[h]
-                    else:
-                        if m < rows_left:
-                            sDest[m - row_base, warp] = row0 + m
-            pair = cute.make_rmem_tensor((2,), out_dtype)
-            piece = cute.make_rmem_tensor((8,), out_dtype)
-            store32 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
-            copy128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=128)
-            for q in cutlass.range_constexpr(self.out_n // EPI_COLS):
-                # n_out and col0 are multiples of 64: a chunk is wholly inside or outside the output.
-                if col0 + q * EPI_COLS < n_out:
-                    for j in cutlass.range_constexpr(q * EPI_COLS // 4, (q + 1) * EPI_COLS // 4):
-                        m, n = tCcC[2 * j]
-                        col = col0 + n
+                        in_rows = dest[j % 2] >= 0
+                    # n_out is even (a multiple of 64), so col < n_out covers col + 1 too.
+                    if in_rows and col < n_out:
                         for v in cutlass.range_constexpr(2):
                             y = acc0[2 * j + v]
                             if const_expr(epi.has_bias):
@@ -491,14 +543,7 @@ class MoeGemmSm90:
                             if const_expr(epi.router_weight):
                                 y = y * scale[j % 2]
                             pair[v] = y.to(out_dtype)
-                        cute.copy(store32, pair, cute.local_tile(sEpi[m - row_base, None, warp], (2,), ((n - q * EPI_COLS) // 2,)))
-                    cute.arch.sync_warp()
-                    for t in cutlass.range_constexpr(16 * EPI_COLS // 8 // 32):
-                        r = (lane + 32 * t) // (EPI_COLS // 8)
-                        c = (lane + 32 * t) % (EPI_COLS // 8)
-                        out_row = sDest[r, warp]
-                        if out_row >= 0:
-                            cute.copy(copy128, cute.local_tile(sEpi[r, None, warp], (8,), (c,)), piece)
-                            cute.copy(copy128, piece, cute.local_tile(mC[out_row, None], (8,), ((col0 + q * EPI_COLS) // 8 + c,)))
-                    # The next chunk overwrites the buffer.
-                    cute.arch.sync_warp()
+                        out_row = row0 + m
+                        if const_expr(epi.router_weight):
+                            out_row = dest[j % 2]
+                        cute.copy(store, pair, cute.local_tile(mC[out_row, None], (2,), (col // 2,)))
