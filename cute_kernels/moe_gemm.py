@@ -98,7 +98,6 @@ class MoeGemmSm90:
     """See the module docstring. tile_n: B rows per tile over all parts (128 or 256)."""
 
     tile_m = 128
-    skip_idle_wg = True
     tile_k = 64
     num_consumer_wgs = 2
     threads = 128 * (1 + num_consumer_wgs)
@@ -379,21 +378,14 @@ class MoeGemmSm90:
                         acc1.fill(0.0)
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.fence()
-                    # A warpgroup whose 64 rows are all past the expert's last row skips its MMAs (it
-                    # still takes part in the pipeline): at small M most tiles hold a few rows, and the
-                    # tensor cores then serve the weight stream of the other warpgroup alone.
-                    has_rows = rows_left > 64 * (ctid // 128)
-                    if const_expr(not self.skip_idle_wg):
-                        has_rows = rows_left > -1
                     for kt in range(k_tiles):
                         pipe_a.consumer_wait(read)
                         pipe_b.consumer_wait(read)
-                        if has_rows:
-                            for kb in cutlass.range_constexpr(num_k_blocks):
-                                coord = (None, None, kb, read.index)
-                                cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
-                                if const_expr(self.num_parts == 2):
-                                    cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
+                        for kb in cutlass.range_constexpr(num_k_blocks):
+                            coord = (None, None, kb, read.index)
+                            cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
+                            if const_expr(self.num_parts == 2):
+                                cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
                         warpgroup.commit_group()
                         # Keep one k-tile of WGMMAs in flight; free the buffer of the one before it.
                         warpgroup.wait_group(1)
