@@ -209,6 +209,14 @@ class MoeGemmSm90:
         rows = mOffsets[e + 1] - mOffsets[e]
         return (rows + self.tile_m - 1) // self.tile_m * n_tiles
 
+    @cute.jit
+    def _tile_coords(self, mOffsets: cute.Tensor, e: Int32, local: Int32, e_tiles: Int32, n_tiles: Int32):
+        """(n_tile, first row, rows left in the expert) of expert e's local-th work tile. M-tiles vary
+        fastest, so the CTAs working at the same time share the expert's weight tile in L2."""
+        m_tiles = e_tiles // n_tiles
+        row0 = mOffsets[e] + local % m_tiles * self.tile_m
+        return local // m_tiles, row0, mOffsets[e + 1] - row0
+
     @cute.kernel
     def kernel(
         self,
@@ -304,12 +312,7 @@ class MoeGemmSm90:
             e_tiles = self._expert_tiles(mOffsets, e, n_tiles)
             while e < num_experts:
                 if tile < base + e_tiles:
-                    local = tile - base
-                    m_tiles = e_tiles // n_tiles
-                    m_tile = local % m_tiles
-                    n_tile = local // m_tiles
-                    row0 = mOffsets[e] + m_tile * self.tile_m
-                    rows_left = mOffsets[e + 1] - row0
+                    n_tile, row0, rows_left = self._tile_coords(mOffsets, e, tile - base, e_tiles, n_tiles)
                     for i in cutlass.range_constexpr(rows_per_thread):
                         r = row_in + 16 * i
                         src[i] = -1
@@ -366,12 +369,7 @@ class MoeGemmSm90:
             e_tiles = self._expert_tiles(mOffsets, e, n_tiles)
             while e < num_experts:
                 if tile < base + e_tiles:
-                    local = tile - base
-                    m_tiles = e_tiles // n_tiles
-                    m_tile = local % m_tiles
-                    n_tile = local // m_tiles
-                    row0 = mOffsets[e] + m_tile * self.tile_m
-                    rows_left = mOffsets[e + 1] - row0
+                    n_tile, row0, rows_left = self._tile_coords(mOffsets, e, tile - base, e_tiles, n_tiles)
 
                     acc0.fill(0.0)
                     if const_expr(self.num_parts == 2):
@@ -452,90 +450,79 @@ class MoeGemmSm90:
                         g = g + mBias[e, 2 * col].to(Float32)
                         u = u + mBias[e, 2 * col + 1].to(Float32)
                     mC[row0 + m, col] = _gated(epi.activation, g, u, epi.alpha, epi.limit).to(out_dtype)
+        elif const_expr(self.staged):
+            self._store_staged(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, dest, scale, sEpi, sDest)
         else:
-            if const_expr(self.staged):
-                # Staged through shared memory so global stores are 16 bytes wide and row-contiguous: each
-                # warp owns 16 rows (fragment elements 2j and 2j+1 are adjacent columns of the row half
-                # j % 2, rows 8 apart); per 64-column chunk it writes its values into its own padded
-                # [16, EPI_STRIDE] buffer, then each lane stores 16-byte pieces of whole rows.
-                tidx, _, _ = cute.arch.thread_idx()
-                warp = (tidx - 128) // 32
-                lane = tidx % 32
-                row_base = tCcC[0][0] - lane // 4  # the warp's first row in the tile
-                if lane % 4 == 0:
-                    for h in cutlass.range_constexpr(2):
-                        m = tCcC[2 * h][0]
-                        sDest[m - row_base, warp] = -1
-                        if const_expr(epi.router_weight):
-                            sDest[m - row_base, warp] = dest[h]
-                        else:
-                            if m < rows_left:
-                                sDest[m - row_base, warp] = row0 + m
-                pair = cute.make_rmem_tensor((2,), out_dtype)
-                piece = cute.make_rmem_tensor((8,), out_dtype)
-                store32 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
-                copy128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=128)
-                for q in cutlass.range_constexpr(self.out_n // EPI_COLS):
-                    # n_out and col0 are multiples of 64: a chunk is wholly inside or outside the output.
-                    if col0 + q * EPI_COLS < n_out:
-                        for j in cutlass.range_constexpr(q * EPI_COLS // 4, (q + 1) * EPI_COLS // 4):
-                            m, n = tCcC[2 * j]
-                            col = col0 + n
-                            for v in cutlass.range_constexpr(2):
-                                y = acc0[2 * j + v]
-                                if const_expr(epi.has_bias):
-                                    y = y + mBias[e, col + v].to(Float32)
-                                if const_expr(epi.gate_layout == "concat"):
-                                    u = acc1[2 * j + v]
-                                    if const_expr(epi.has_bias):
-                                        u = u + mBias[e, n_out + col + v].to(Float32)
-                                    y = _gated(epi.activation, y, u, epi.alpha, epi.limit)
-                                elif const_expr(epi.activation == "relu2"):
-                                    y = cute.arch.fmax(y, Float32(0.0))
-                                    y = y * y
-                                if const_expr(epi.router_weight):
-                                    y = y * scale[j % 2]
-                                pair[v] = y.to(out_dtype)
-                            cute.copy(store32, pair, cute.local_tile(sEpi[m - row_base, None, warp], (2,), ((n - q * EPI_COLS) // 2,)))
-                        cute.arch.sync_warp()
-                        for t in cutlass.range_constexpr(16 * EPI_COLS // 8 // 32):
-                            r = (lane + 32 * t) // (EPI_COLS // 8)
-                            c = (lane + 32 * t) % (EPI_COLS // 8)
-                            out_row = sDest[r, warp]
-                            if out_row >= 0:
-                                cute.copy(copy128, cute.local_tile(sEpi[r, None, warp], (8,), (c,)), piece)
-                                cute.copy(copy128, piece, cute.local_tile(mC[out_row, None], (8,), ((col0 + q * EPI_COLS) // 8 + c,)))
-                        # The next chunk overwrites the buffer.
-                        cute.arch.sync_warp()
-            else:
-                # Fragment elements 2j and 2j+1 are adjacent columns of one row: one 32-bit store each.
-                # The accumulator is ((2 columns, 2 rows 8 apart, N/8), 1, 1): element 2j is in row half j % 2.
-                pair = cute.make_rmem_tensor((2,), out_dtype)
-                store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
-                for j in cutlass.range_constexpr(cute.size(acc0) // 2):
+            # Fragment elements 2j and 2j+1 are adjacent columns of one row: one 32-bit store each.
+            pair = cute.make_rmem_tensor((2,), out_dtype)
+            store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
+            for j in cutlass.range_constexpr(cute.size(acc0) // 2):
+                m, n = tCcC[2 * j]
+                col = col0 + n
+                # n_out is even (a multiple of 64), so col < n_out covers col + 1 too.
+                if m < rows_left and col < n_out:
+                    self._values(acc0, acc1, j, mBias, e, col, n_out, scale, pair)
+                    cute.copy(store, pair, cute.local_tile(mC[row0 + m, None], (2,), (col // 2,)))
+
+    @cute.jit
+    def _values(self, acc0, acc1, j, mBias, e, col, n_out, scale, pair):
+        """pair[v] = the output dtype's value of fragment element 2j + v (column col + v): bias, the
+        activation ([gate; up] from acc0 and acc1, or relu2) and, with router_weight, the row's weight."""
+        epi = self.epi
+        for v in cutlass.range_constexpr(2):
+            y = acc0[2 * j + v]
+            if const_expr(epi.has_bias):
+                y = y + mBias[e, col + v].to(Float32)
+            if const_expr(epi.gate_layout == "concat"):
+                u = acc1[2 * j + v]
+                if const_expr(epi.has_bias):
+                    u = u + mBias[e, n_out + col + v].to(Float32)
+                y = _gated(epi.activation, y, u, epi.alpha, epi.limit)
+            elif const_expr(epi.activation == "relu2"):
+                y = cute.arch.fmax(y, Float32(0.0))
+                y = y * y
+            if const_expr(epi.router_weight):
+                y = y * scale[j % 2]  # element 2j is in row half j % 2 (see _find_pairs)
+            pair[v] = y.to(pair.element_type)
+
+    @cute.jit
+    def _store_staged(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, dest, scale, sEpi, sDest):
+        """The epilogue's stores staged through shared memory, 16 bytes wide and row-contiguous: each
+        warp owns 16 rows (fragment elements 2j and 2j+1 are adjacent columns of the row half j % 2,
+        rows 8 apart); per 64-column chunk it writes its values into its own padded [16, EPI_STRIDE]
+        buffer, then each lane stores 16-byte pieces of whole rows to their destination rows."""
+        out_dtype = mC.element_type
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = (tidx - 128) // 32
+        lane = tidx % 32
+        row_base = tCcC[0][0] - lane // 4  # the warp's first row in the tile
+        if lane % 4 == 0:
+            for h in cutlass.range_constexpr(2):
+                m = tCcC[2 * h][0]
+                sDest[m - row_base, warp] = -1
+                if const_expr(self.epi.router_weight):
+                    sDest[m - row_base, warp] = dest[h]
+                else:
+                    if m < rows_left:
+                        sDest[m - row_base, warp] = row0 + m
+        pair = cute.make_rmem_tensor((2,), out_dtype)
+        piece = cute.make_rmem_tensor((8,), out_dtype)
+        store32 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
+        copy128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=128)
+        for q in cutlass.range_constexpr(self.out_n // EPI_COLS):
+            # n_out and col0 are multiples of 64: a chunk is wholly inside or outside the output.
+            if col0 + q * EPI_COLS < n_out:
+                for j in cutlass.range_constexpr(q * EPI_COLS // 4, (q + 1) * EPI_COLS // 4):
                     m, n = tCcC[2 * j]
-                    col = col0 + n
-                    in_rows = m < rows_left
-                    if const_expr(epi.router_weight):
-                        in_rows = dest[j % 2] >= 0
-                    # n_out is even (a multiple of 64), so col < n_out covers col + 1 too.
-                    if in_rows and col < n_out:
-                        for v in cutlass.range_constexpr(2):
-                            y = acc0[2 * j + v]
-                            if const_expr(epi.has_bias):
-                                y = y + mBias[e, col + v].to(Float32)
-                            if const_expr(epi.gate_layout == "concat"):
-                                u = acc1[2 * j + v]
-                                if const_expr(epi.has_bias):
-                                    u = u + mBias[e, n_out + col + v].to(Float32)
-                                y = _gated(epi.activation, y, u, epi.alpha, epi.limit)
-                            elif const_expr(epi.activation == "relu2"):
-                                y = cute.arch.fmax(y, Float32(0.0))
-                                y = y * y
-                            if const_expr(epi.router_weight):
-                                y = y * scale[j % 2]
-                            pair[v] = y.to(out_dtype)
-                        out_row = row0 + m
-                        if const_expr(epi.router_weight):
-                            out_row = dest[j % 2]
-                        cute.copy(store, pair, cute.local_tile(mC[out_row, None], (2,), (col // 2,)))
+                    self._values(acc0, acc1, j, mBias, e, col0 + n, n_out, scale, pair)
+                    cute.copy(store32, pair, cute.local_tile(sEpi[m - row_base, None, warp], (2,), ((n - q * EPI_COLS) // 2,)))
+                cute.arch.sync_warp()
+                for t in cutlass.range_constexpr(16 * EPI_COLS // 8 // 32):
+                    r = (lane + 32 * t) // (EPI_COLS // 8)
+                    c = (lane + 32 * t) % (EPI_COLS // 8)
+                    out_row = sDest[r, warp]
+                    if out_row >= 0:
+                        cute.copy(copy128, cute.local_tile(sEpi[r, None, warp], (8,), (c,)), piece)
+                        cute.copy(copy128, piece, cute.local_tile(mC[out_row, None], (8,), ((col0 + q * EPI_COLS) // 8 + c,)))
+                # The next chunk overwrites the buffer.
+                cute.arch.sync_warp()
