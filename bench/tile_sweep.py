@@ -1,6 +1,7 @@
-"""python bench/tile_sweep.py: time GEMM1 (gate_up) and GEMM2 + token sum (down_reduce) alone, in CUDA
-graphs, for every tile_n the kernels offer, at the benchmark's shapes and token counts; and the memory
-probes behind the speed-of-light bound. The data behind interface.choose_tile_n. Prints a markdown table."""
+"""python bench/tile_sweep.py [M ...]: time GEMM1 (gate_up) and GEMM2 + token sum (down_reduce) alone, in
+CUDA graphs, for every (tile_m, tile_n) the kernels offer, at the benchmark's shapes and token counts;
+and the memory probes behind the speed-of-light bound. The data behind interface.choose_tiles. Prints
+a markdown table."""
 from __future__ import annotations
 
 import sys
@@ -28,9 +29,10 @@ def memory_probes() -> None:
 def main(tokens) -> None:
     print(torch.cuda.get_device_name(), torch.__version__)
     memory_probes()
-    print("| shape | M | gate_up µs by tile_n | down_reduce µs by tile_n | heuristic (gate, down) |")
+    print("| shape | M | gate_up µs by tile_m x tile_n | down_reduce µs by tile_m x tile_n | rule (gate, down) |")
     print("|---|---|---|---|---|")
     sms = interface.num_sms(0)
+    fmt = lambda d: ", ".join(f"{tm}x{tn}: {us:.0f}" for (tm, tn), us in d.items())  # noqa: E731
     for name, (e, k, h, i) in SHAPES.items():
         w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) / h**0.5
         w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) / i**0.5
@@ -40,17 +42,18 @@ def main(tokens) -> None:
             tw, ids = tw.contiguous(), ids.to(torch.int32)
             offsets, gather, inverse = routing_plan(ids, e, None)
             inter = torch.empty(m * k, i, device="cuda", dtype=torch.bfloat16)
-            gu = {}
-            for tn in interface.TILE_N["concat"]:
-                gu[tn] = graph_time_us(lambda: interface.gate_up(
+            gu = {
+                tiles: graph_time_us(lambda: interface.gate_up(
                     x, w13, None, offsets, gather, activation="silu", alpha=1.702, limit=7.0,
-                    gate_layout="concat", out=inter, tile_n=tn), 30)  # fmt: skip
-            dr = {}
-            for tn in interface.TILE_N["none"]:
-                dr[tn] = graph_time_us(lambda: interface.down_reduce(inter, w2, None, offsets, gather, tw, inverse, tile_n=tn), 30)
-            pick = (interface.choose_tile_n("concat", i, m, k, e, sms), interface.choose_tile_n("none", h, m, k, e, sms))
-            fmt = lambda d: ", ".join(f"{tn}: {us:.1f}" for tn, us in d.items())  # noqa: E731
-            print(f"| {name} | {m} | {fmt(gu)} | {fmt(dr)} | {pick} |", flush=True)
+                    gate_layout="concat", out=inter, tiles=tiles), 30)
+                for tiles in interface._tile_pairs("concat")
+            }  # fmt: skip
+            dr = {
+                tiles: graph_time_us(lambda: interface.down_reduce(inter, w2, None, offsets, gather, tw, inverse, tiles=tiles), 30)
+                for tiles in interface._tile_pairs("none")
+            }
+            rule = (interface.choose_tiles("concat", i, m, k, e, sms), interface.choose_tiles("none", h, m, k, e, sms))
+            print(f"| {name} | {m} | {fmt(gu)} | {fmt(dr)} | {rule} |", flush=True)
         del w13, w2
         torch.cuda.empty_cache()
 

@@ -33,31 +33,33 @@ _CUTLASS_DTYPE = {
     torch.int32: cutlass.Int32,
 }
 ALIGN = 64  # H and I must be multiples of this (the K tile; keeps every chunk and TMA box aligned)
-# B rows per tile the kernel may use, by gate layout, largest first (see choose_tile_n).
+# B rows per tile the kernel may use, by gate layout, largest first (see choose_tiles).
 TILE_N = {"concat": (256, 128), "interleaved": (256, 128), "none": (256, 128, 64)}
-TILE_M = MoeGemmSm90.tile_m
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def choose_tile_n(gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int) -> int:
-    """B rows per tile for M tokens routed to k of E experts (assumed spread evenly; a host-side shape
-    rule, no data read), from bench/tile_sweep.py on an H200 (bench/NOTES.md, v2):
-    - gated GEMM1: 256 once an expert averages 64 rows (M*k/E >= 64: each gathered A tile then feeds
-      more columns), else 128 (more tiles to spread few rows' weight streaming over the SMs);
-    - otherwise the largest tile that still gives every SM two tiles: one wave leaves SMs idle behind
-      ragged experts, more small tiles re-read A."""
+def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int) -> tuple[int, int]:
+    """(tile_m, tile_n) for M tokens routed to k of E experts (assumed spread evenly; a host-side
+    shape rule, no data read), from bench/tile_sweep.py on an H200 (bench/NOTES.md, v2 and v3):
+    - tile_m 64 while an expert averages fewer than 64 rows (M*k/E < 64): weight streaming, where the
+      bytes in flight per SM set the speed and a smaller A tile leaves room for more stages;
+    - gated GEMM1: tile_n 256 from 64 rows per expert on (each gathered A tile then feeds more
+      columns), else 128 (more tiles to spread few rows' weight streaming over the SMs);
+    - otherwise the largest tile_n that still gives every SM two tiles: one wave leaves SMs idle
+      behind ragged experts, more small tiles re-read A."""
     pairs = m * k
+    tile_m = 64 if pairs < 64 * num_experts else 128
     if gate_layout != "none":
-        return 256 if pairs >= 64 * num_experts else 128
+        return tile_m, (256 if pairs >= 64 * num_experts else 128)
     active = max(1, min(num_experts, pairs))
-    m_tiles = active * _cdiv(_cdiv(pairs, active), TILE_M)
+    m_tiles = active * _cdiv(_cdiv(pairs, active), tile_m)
     for tile_n in TILE_N[gate_layout]:
         if m_tiles * _cdiv(n_out, tile_n) >= 2 * sms:
-            return tile_n
-    return TILE_N[gate_layout][-1]
+            return tile_m, tile_n
+    return tile_m, TILE_N[gate_layout][-1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,11 +130,11 @@ def token_sum_compile_args(dtype) -> tuple:
     return (cc.fake_ptr(d), cc.fake_ptr(i32), cc.fake_ptr(i32), cc.fake_ptr(d), *[Int32(8)] * 4, cc.fake_stream())
 
 
-def _gemm(epilogue: Epilogue, gather: bool, a_dtype, bias_dtype, sms: int, tile_n: int = 256):
-    key = f"moe_gemm:{epilogue}:gather={gather}:{a_dtype}:{bias_dtype}:tile_n={tile_n}:sms={sms}"
+def _gemm(epilogue: Epilogue, gather: bool, a_dtype, bias_dtype, sms: int, tile_m: int = 128, tile_n: int = 256):
+    key = f"moe_gemm:{epilogue}:gather={gather}:{a_dtype}:{bias_dtype}:tile={tile_m}x{tile_n}:sms={sms}"
 
     def build():
-        kernel = MoeGemmSm90(epilogue, tile_n=tile_n, gather=gather, num_sms=sms)
+        kernel = MoeGemmSm90(epilogue, tile_n=tile_n, tile_m=tile_m, gather=gather, num_sms=sms)
         return kernel, gemm_compile_args(a_dtype, bias_dtype)
 
     return cc.get(key, build)
@@ -154,10 +156,12 @@ def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride, i
     )  # fmt: skip
 
 
-def gate_up(x, w, bias, offsets, gather, *, activation: str, alpha: float, limit: float, gate_layout: str, out=None, tile_n=None):
+def gate_up(
+    x, w, bias, offsets, gather, *, activation: str, alpha: float, limit: float, gate_layout: str, out=None, tiles=None
+):
     """[P, I] = act(x[gather] @ w[e].T + bias[e]) per expert; see the module docstring. Rows of
     dropped pairs (at or past offsets[E]) are left unwritten. out: an optional [P, I] destination.
-    tile_n: one of TILE_N[gate_layout] instead of choose_tile_n's (for tile sweeps)."""
+    tiles: (tile_m, tile_n) instead of choose_tiles' (for tile sweeps)."""
     num_experts, n, hidden = w.shape
     inter = n // 2 if activation in GATED else n
     if out is None:
@@ -166,8 +170,8 @@ def gate_up(x, w, bias, offsets, gather, *, activation: str, alpha: float, limit
         return out
     epi = Epilogue(activation, gate_layout, float(alpha), float(limit), has_bias=bias is not None)
     sms = num_sms(x.device.index)
-    tile_n = tile_n or choose_tile_n(gate_layout, inter, x.shape[0], gather.shape[0] // max(x.shape[0], 1), num_experts, sms)
-    fn = _gemm(epi, True, x.dtype, bias.dtype if bias is not None else x.dtype, sms, tile_n)
+    tiles = tiles or choose_tiles(gate_layout, inter, x.shape[0], gather.shape[0] // max(x.shape[0], 1), num_experts, sms)
+    fn = _gemm(epi, True, x.dtype, bias.dtype if bias is not None else x.dtype, sms, *tiles)
     if gate_layout == "concat":
         # The up rows of each expert start I rows after its gate rows; the kernel reads both as parts.
         parts, n_part = (w, w[:, inter:]), inter
@@ -177,10 +181,10 @@ def gate_up(x, w, bias, offsets, gather, *, activation: str, alpha: float, limit
     return out
 
 
-def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, tile_n=None):
+def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, tiles=None):
     """[M, H] = sum_j topk_weights[m, j] * (a[inverse[m*k+j]] @ w[e].T + bias[e]); see the module
     docstring. Every element of the output is written. out: an optional [M, H] destination.
-    tile_n: one of TILE_N["none"] instead of choose_tile_n's (for tile sweeps)."""
+    tiles: (tile_m, tile_n) instead of choose_tiles' (for tile sweeps)."""
     num_experts, hidden, inter = w.shape
     m, k = topk_weights.shape
     if out is None:
@@ -190,8 +194,8 @@ def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, ti
     y = torch.empty(a.shape[0], hidden, dtype=a.dtype, device=a.device)
     epi = Epilogue("none", "none", has_bias=bias is not None, router_weight=True)
     sms = num_sms(a.device.index)
-    tile_n = tile_n or choose_tile_n("none", hidden, m, k, num_experts, sms)
-    fn = _gemm(epi, False, a.dtype, bias.dtype if bias is not None else a.dtype, sms, tile_n)
+    tiles = tiles or choose_tiles("none", hidden, m, k, num_experts, sms)
+    fn = _gemm(epi, False, a.dtype, bias.dtype if bias is not None else a.dtype, sms, *tiles)
     _launch_gemm(fn, a, (w, w), y, offsets, gather, bias, hidden, hidden * inter, inverse, topk_weights, k)
     _token_sum(a.dtype)(
         _ptr(y), _ptr(inverse), _ptr(offsets), _ptr(out), Int32(m), Int32(k), Int32(hidden), Int32(num_experts), _stream(a.device),
@@ -200,16 +204,24 @@ def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, ti
 
 
 def variants(dtype=torch.bfloat16, bias_dtypes=(None,)):
-    """Every (epilogue, gather, bias dtype, tile_n) the fused ops can request for activations in `dtype`."""
+    """Every (epilogue, gather, bias dtype, tile_m, tile_n) the fused ops can request (see choose_tiles)
+    for activations in `dtype`."""
     out = []
     for bias in bias_dtypes:
+        gemm2 = Epilogue("none", "none", has_bias=bias is not None, router_weight=True)
         for act in ACTIVATIONS:
             for layout in (("concat", "interleaved") if act in GATED else ("none",)):
-                for tile_n in TILE_N[layout]:
-                    out.append((Epilogue(act, layout, has_bias=bias is not None), True, bias or dtype, tile_n))
-        for tile_n in TILE_N["none"]:
-            out.append((Epilogue("none", "none", has_bias=bias is not None, router_weight=True), False, bias or dtype, tile_n))
+                epi = Epilogue(act, layout, has_bias=bias is not None)
+                out += [(epi, True, bias or dtype, *tiles) for tiles in _tile_pairs(layout)]
+        out += [(gemm2, False, bias or dtype, *tiles) for tiles in _tile_pairs("none")]
     return out
+
+
+def _tile_pairs(gate_layout: str) -> list[tuple[int, int]]:
+    """The (tile_m, tile_n) choose_tiles can return for a layout: gated layouts use tile_n 128 with
+    64-row tiles."""
+    small = (128,) if gate_layout != "none" else TILE_N[gate_layout]
+    return [(128, n) for n in TILE_N[gate_layout]] + [(64, n) for n in small]
 
 
 def precompile(dtype=torch.bfloat16, sms: int | None = None, bias_dtypes=(None,)) -> dict[str, tuple[str, float]]:
@@ -217,7 +229,7 @@ def precompile(dtype=torch.bfloat16, sms: int | None = None, bias_dtypes=(None,)
     GPU with `sms` multiprocessors (default: the current device's). Works without a GPU when sms is
     given. Returns {key: (compile or disk, seconds)}."""
     sms = sms if sms is not None else num_sms(torch.cuda.current_device())
-    for epi, gather, bias_dtype, tile_n in variants(dtype, bias_dtypes):
-        _gemm(epi, gather, dtype, bias_dtype, sms, tile_n)
+    for epi, gather, bias_dtype, tile_m, tile_n in variants(dtype, bias_dtypes):
+        _gemm(epi, gather, dtype, bias_dtype, sms, tile_m, tile_n)
     _token_sum(dtype)
     return dict(cc.timings)

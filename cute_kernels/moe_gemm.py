@@ -95,9 +95,10 @@ def _gated(kind: str, g, u, alpha: float, limit: float):
 
 
 class MoeGemmSm90:
-    """See the module docstring. tile_n: B rows per tile over all parts (128 or 256)."""
+    """See the module docstring. tile_n: B rows per tile over all parts (64 to 256). tile_m: 128 rows
+    (the two consumer warpgroups take 64 rows each) or 64 (they split the tile's columns instead:
+    for experts with few rows, half the A tile per stage, so more stages of weights in flight)."""
 
-    tile_m = 128
     tile_k = 64
     num_consumer_wgs = 2
     threads = 128 * (1 + num_consumer_wgs)
@@ -106,7 +107,9 @@ class MoeGemmSm90:
     producer_regs = 56
     consumer_regs = 224
 
-    def __init__(self, epilogue: Epilogue, *, tile_n: int = 256, gather: bool, num_sms: int = 132, stages: int | None = None):
+    def __init__(
+        self, epilogue: Epilogue, *, tile_n: int = 256, tile_m: int = 128, gather: bool, num_sms: int = 132, stages: int | None = None
+    ):
         # Epilogue stores staged through shared memory (16-byte, row-contiguous) for GEMM2 only. Same-run
         # A/B on an H200 (bench/NOTES.md, v2): GEMM2 at M = 8192 10-18% faster; GEMM1 mixed (-8% to +10%).
         self.staged = epilogue.router_weight
@@ -115,17 +118,23 @@ class MoeGemmSm90:
         self.epi = epilogue
         self.gather = gather
         self.num_sms = num_sms
+        if tile_m not in (64, 128):
+            raise ValueError(f"tile_m={tile_m}; allowed: 64, 128")
+        self.tile_m = tile_m
         self.num_parts = 2 if epilogue.gate_layout == "concat" else 1
         self.part_n = tile_n // self.num_parts
         if self.part_n not in (64, 128, 256):
             raise ValueError(f"tile_n={tile_n} gives {self.part_n} rows per B part; allowed: 64, 128, 256")
-        # Output columns per tile.
+        # Consumer warpgroups along (M, N): each runs m64 WGMMAs over its share of the columns.
+        self.wg_grid = (2, 1) if tile_m == 128 else (1, 2)
+        # Output columns per tile, and per consumer warpgroup.
         self.out_n = self.part_n // 2 if epilogue.gate_layout == "interleaved" else self.part_n
+        self.wg_out_n = self.out_n // self.wg_grid[1]
         # 16-bit operands: A tile + B parts per stage; the rest of shared memory is the epilogue's
         # staging buffers and barriers.
         stage_bytes = (self.tile_m + self.num_parts * self.part_n) * self.tile_k * 2
         epi_bytes = EPI_BYTES if self.staged else 0
-        self.num_stages = stages if stages is not None else min(8, (SMEM_CAPACITY - 4096 - epi_bytes) // stage_bytes)
+        self.num_stages = stages if stages is not None else min(12, (SMEM_CAPACITY - 4096 - epi_bytes) // stage_bytes)
 
     # ---- host side -------------------------------------------------------------------------------
 
@@ -170,7 +179,7 @@ class MoeGemmSm90:
         stages = self.num_stages
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            (self.num_consumer_wgs, 1, 1), tiler_mn=(64, self.part_n),
+            (*self.wg_grid, 1), tiler_mn=(64, self.part_n // self.wg_grid[1]),
         )  # fmt: skip
         a_atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dtype, self.tile_k), dtype
@@ -496,6 +505,8 @@ class MoeGemmSm90:
         warp = (tidx - 128) // 32
         lane = tidx % 32
         row_base = tCcC[0][0] - lane // 4  # the warp's first row in the tile
+        col_base = tCcC[0][1] - 2 * (lane % 4)  # its warpgroup's first column
+        chunk = min(EPI_COLS, self.wg_out_n)
         if lane % 4 == 0:
             for h in cutlass.range_constexpr(2):
                 m = tCcC[2 * h][0]
@@ -509,20 +520,23 @@ class MoeGemmSm90:
         piece = cute.make_rmem_tensor((8,), out_dtype)
         store32 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
         copy128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=128)
-        for q in cutlass.range_constexpr(self.out_n // EPI_COLS):
-            # n_out and col0 are multiples of 64: a chunk is wholly inside or outside the output.
-            if col0 + q * EPI_COLS < n_out:
-                for j in cutlass.range_constexpr(q * EPI_COLS // 4, (q + 1) * EPI_COLS // 4):
+        for q in cutlass.range_constexpr(self.wg_out_n // chunk):
+            first_col = col0 + col_base + q * chunk
+            # n_out is a multiple of 64 and chunks are 32 or 64 columns on 32-column boundaries: a
+            # chunk is wholly inside or outside the output.
+            if first_col < n_out:
+                for j in cutlass.range_constexpr(q * chunk // 4, (q + 1) * chunk // 4):
                     m, n = tCcC[2 * j]
                     self._values(acc0, acc1, j, mBias, e, col0 + n, n_out, scale, pair)
-                    cute.copy(store32, pair, cute.local_tile(sEpi[m - row_base, None, warp], (2,), ((n - q * EPI_COLS) // 2,)))
+                    local = n - col_base - q * chunk
+                    cute.copy(store32, pair, cute.local_tile(sEpi[m - row_base, None, warp], (2,), (local // 2,)))
                 cute.arch.sync_warp()
-                for t in cutlass.range_constexpr(16 * EPI_COLS // 8 // 32):
-                    r = (lane + 32 * t) // (EPI_COLS // 8)
-                    c = (lane + 32 * t) % (EPI_COLS // 8)
+                for t in cutlass.range_constexpr(16 * chunk // 8 // 32):
+                    r = (lane + 32 * t) // (chunk // 8)
+                    c = (lane + 32 * t) % (chunk // 8)
                     out_row = sDest[r, warp]
                     if out_row >= 0:
                         cute.copy(copy128, cute.local_tile(sEpi[r, None, warp], (8,), (c,)), piece)
-                        cute.copy(copy128, piece, cute.local_tile(mC[out_row, None], (8,), ((col0 + q * EPI_COLS) // 8 + c,)))
+                        cute.copy(copy128, piece, cute.local_tile(mC[out_row, None], (8,), (first_col // 8 + c,)))
                 # The next chunk overwrites the buffer.
                 cute.arch.sync_warp()

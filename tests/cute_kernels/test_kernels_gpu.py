@@ -26,25 +26,25 @@ def interface():
     return interface
 
 
-def run_layer(interface, x, w13, w2, tw, plan, activation="silu", alpha=1.702, limit=7.0, layout="concat", b13=None, b2=None):
+def run_layer(interface, x, w13, w2, tw, plan, activation="silu", alpha=1.702, limit=7.0, layout="concat", b13=None, b2=None, tiles=(None, None)):
     offsets, gather, inverse = plan
     e, n, h = w13.shape
     inter_dim = w2.shape[2]
     inter = torch.full((gather.shape[0], inter_dim), float("nan"), device=x.device, dtype=x.dtype)
     out = torch.full((tw.shape[0], h), float("nan"), device=x.device, dtype=x.dtype)
-    interface.gate_up(x, w13, b13, offsets, gather, activation=activation, alpha=alpha, limit=limit, gate_layout=layout, out=inter)
-    interface.down_reduce(inter, w2, b2, offsets, gather, tw, inverse, out=out)
+    interface.gate_up(x, w13, b13, offsets, gather, activation=activation, alpha=alpha, limit=limit, gate_layout=layout, out=inter, tiles=tiles[0])
+    interface.down_reduce(inter, w2, b2, offsets, gather, tw, inverse, out=out, tiles=tiles[1])
     return inter, out
 
 
-def check(interface, m, e, k, h, i, skew=0.0, activation="silu", layout="concat", bias=False, w=None):
+def check(interface, m, e, k, h, i, skew=0.0, activation="silu", layout="concat", bias=False, w=None, tiles=(None, None)):
     w13, w2 = w if w is not None else weights(e, h, i, gated=activation != "relu2")
     x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
     tw, ti = routing(m, e, k, skew=skew)
     b13 = torch.randn(e, w13.shape[1], device="cuda", dtype=torch.bfloat16) / 10 if bias else None
     b2 = torch.randn(e, h, device="cuda", dtype=torch.bfloat16) / 10 if bias else None
     ref_inter, ref_out, plan = reference(x, w13, w2, tw, ti, activation, interleaved=layout == "interleaved", b13=b13, b2=b2)
-    inter, out = run_layer(interface, x, w13, w2, tw, plan, activation, layout=layout, b13=b13, b2=b2)
+    inter, out = run_layer(interface, x, w13, w2, tw, plan, activation, layout=layout, b13=b13, b2=b2, tiles=tiles)
     valid = int(plan[0][-1])
     assert not inter[:valid].isnan().any(), "gate_up left rows unwritten"
     assert not out.isnan().any(), "down_reduce left elements unwritten"
@@ -89,6 +89,18 @@ def test_random_shapes(interface, case):
 )  # fmt: skip
 def test_epilogues(interface, activation, layout, bias):
     check(interface, 300, 16, 4, 576, 320, activation=activation, layout=layout, bias=bias)
+
+
+@pytest.mark.parametrize(
+    "activation,layout,bias", [("silu", "concat", True), ("swigluoai", "interleaved", True), ("relu2", "none", False)]
+)
+def test_every_tile_shape(interface, activation, layout, bias):
+    """Every (tile_m, tile_n) choose_tiles can pick, for GEMM1 and GEMM2, with ragged experts (some
+    above and some below a 64-row tile)."""
+    gate, down = interface._tile_pairs(layout), interface._tile_pairs("none")
+    for j in range(max(len(gate), len(down))):
+        tiles = (gate[j % len(gate)], down[j % len(down)])
+        check(interface, 200, 16, 3, 576, 320, activation=activation, layout=layout, bias=bias, tiles=tiles)
 
 
 def test_experts_without_tokens(interface):
