@@ -35,18 +35,25 @@ def _keys(ids_ptr, map_ptr, offs, mask, num_experts, num_global, HAS_MAP: tl.con
 def _routing_plan_kernel(
     ids_ptr, map_ptr, offsets_ptr, gather_ptr, inverse_ptr, scratch_ptr,
     num_pairs, k, num_experts, num_global,
-    HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
+    HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr, SCAN: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     total = tl.zeros((BINS,), dtype=tl.int32)
     before = tl.zeros((BINS,), dtype=tl.int32)
-    for start in range(0, num_pairs, BLOCK):
-        offs = start + lanes
+    # The histograms of all pairs and of the pairs before this block, SCAN (a multiple of BLOCK) pairs
+    # at a time; only the chunk holding this block needs a second, masked histogram.
+    block_start = block * BLOCK
+    for start in range(0, num_pairs, SCAN):
+        offs = start + tl.arange(0, SCAN)
         mask = offs < num_pairs
-        hist = tl.histogram(_keys(ids_ptr, map_ptr, offs, mask, num_experts, num_global, HAS_MAP), BINS, mask=mask)
+        key = _keys(ids_ptr, map_ptr, offs, mask, num_experts, num_global, HAS_MAP)
+        hist = tl.histogram(key, BINS, mask=mask)
         total += hist
-        before += tl.where(start < block * BLOCK, hist, 0)
+        if start + SCAN <= block_start:
+            before += hist
+        elif start <= block_start:
+            before += tl.histogram(key, BINS, mask=mask & (offs < block_start))
     starts = tl.cumsum(total, 0) - total  # exclusive: the first row of each key
     bins = tl.arange(0, BINS)
     if block == 0:
@@ -72,18 +79,24 @@ def _routing_plan_kernel(
     tl.store(gather_ptr + row, pair // k, mask=valid)
 
 
-def block_size(num_pairs: int) -> int:
-    """Pairs per program: one program for small P, 4096-pair blocks at most (the sort's register budget)."""
-    return min(4096, max(128, triton.next_power_of_2(num_pairs)))
+def launch_config(num_pairs: int) -> tuple[int, int, int]:
+    """(BLOCK, SCAN, num_warps) for P pairs, from timings on an H200 (bench/NOTES.md, v3): the sort of
+    a block costs more than the histogram scan, so blocks stay at 1-2K pairs; the scan reads 8-16K
+    pairs per step."""
+    p2 = max(128, triton.next_power_of_2(num_pairs))
+    if p2 <= 8192:
+        return min(1024, p2), p2, 4
+    return 2048, 16384, 8
 
 
 def routing_plan_triton(
-    topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, block: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, block: int | None = None,
+    scan: int | None = None, num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """topk_ids [M, k] -> (expert_offsets int32 [E+1], gather_idx int32 [M*k], inverse int32 [M*k]).
 
-    block (a power of two, at least 16) overrides block_size(M*k); the tests use it to get many programs
-    from few pairs.
+    block, scan, num_warps (powers of two; scan >= block) override launch_config(M*k); the tests use
+    them to get many programs and scan steps from few pairs.
     """
     m, k = topk_ids.shape
     num_pairs = m * k
@@ -91,7 +104,8 @@ def routing_plan_triton(
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
     gather = torch.empty(num_pairs, dtype=torch.int32, device=device)
     inverse = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    block = block or block_size(num_pairs)
+    default_block, default_scan, default_warps = launch_config(num_pairs)
+    block = block or default_block
     bins = triton.next_power_of_2(num_experts + 1)
     grid = max(1, triton.cdiv(num_pairs, block))
     scratch = torch.empty(grid * bins, dtype=torch.int32, device=device)
@@ -100,6 +114,7 @@ def routing_plan_triton(
     _routing_plan_kernel[(grid,)](
         ids, emap, offsets, gather, inverse, scratch,
         num_pairs, k, num_experts, emap.shape[0] if expert_map is not None else 0,
-        HAS_MAP=expert_map is not None, BLOCK=block, BINS=bins, num_warps=8 if block >= 2048 else 4,
+        HAS_MAP=expert_map is not None, BLOCK=block, BINS=bins, SCAN=max(scan or default_scan, block),
+        num_warps=num_warps or default_warps,
     )  # fmt: skip
     return offsets, gather, inverse

@@ -15,15 +15,16 @@ import torch
 
 from moe_ops.plan import routing_plan
 
-# (M, k, E, expert_map, block): one program, many programs with a partial last block, an expert map
-# with remote and out-of-range ids, skewed routing, and no tokens at all.
+# (M, k, E, expert_map, block, scan): one program, many programs with a partial last block, scan
+# steps holding several blocks (a block in the middle of one), an expert map with remote and
+# out-of-range ids, skewed routing, and no tokens at all.
 INTERPRETER_CASES = [
-    (1, 8, 128, False, None),
-    (37, 3, 8, True, None),
-    (150, 4, 16, False, 128),
-    (90, 8, 256, True, 64),
-    (200, 2, 8, "skewed", 64),
-    (0, 2, 8, False, None),
+    (1, 8, 128, False, None, None),
+    (37, 3, 8, True, None, None),
+    (150, 4, 16, False, 128, 256),
+    (90, 8, 256, True, 64, 512),
+    (200, 2, 8, "skewed", 64, None),
+    (0, 2, 8, False, None, None),
 ]
 
 _SCRIPT = textwrap.dedent(
@@ -31,9 +32,10 @@ _SCRIPT = textwrap.dedent(
     import sys, torch
     from moe_ops.plan import routing_plan
     from moe_ops.plan_kernel import routing_plan_triton
-    seed, m, k, e, kind, block = sys.argv[1:]
+    seed, m, k, e, kind, block, scan = sys.argv[1:]
     torch.manual_seed(int(seed))
-    m, k, e, block = int(m), int(k), int(e), (int(block) if block != "None" else None)
+    m, k, e = int(m), int(k), int(e)
+    block, scan = [int(v) if v != "None" else None for v in (block, scan)]
     emap = None
     if kind == "True":
         # Remote experts (-1) in the map, and ids beyond it (dropped as out of range).
@@ -44,7 +46,7 @@ _SCRIPT = textwrap.dedent(
     else:
         ids = torch.randint(0, e, (m, k), dtype=torch.int32)
     want = routing_plan(ids, e, emap)
-    got = routing_plan_triton(ids, e, emap, block=block)
+    got = routing_plan_triton(ids, e, emap, block=block, scan=scan)
     for name, a, b in zip(("expert_offsets", "gather_idx", "inverse"), want, got):
         assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
         assert torch.equal(a, b), (name, a.tolist(), b.tolist())
@@ -53,14 +55,14 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("m,k,e,kind,block", INTERPRETER_CASES)
-def test_triton_plan_matches_reference_in_interpreter(m, k, e, kind, block, rng):
+@pytest.mark.parametrize("m,k,e,kind,block,scan", INTERPRETER_CASES)
+def test_triton_plan_matches_reference_in_interpreter(m, k, e, kind, block, scan, rng):
     seed = rng.initial_seed()
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(seed), str(m), str(k), str(e), str(kind), str(block)],
+        [sys.executable, "-c", _SCRIPT, str(seed), str(m), str(k), str(e), str(kind), str(block), str(scan)],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
