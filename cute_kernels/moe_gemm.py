@@ -16,9 +16,10 @@ Structure (warp-specialised, persistent):
   TMA, into a ring of `stages` shared-memory buffers. A and B have one pipeline each (mbarriers;
   cp.async completion arrives through cp.async.mbarrier.arrive, TMA through transaction bytes);
   both advance in lockstep.
-- warpgroups 1 and 2 consume: each multiplies 64 of the tile's 128 rows with WGMMA (fp32
-  accumulators), then runs the epilogue and stores its rows straight from registers, masked to the
-  rows of the current expert, so partial tiles never write into the next expert's rows.
+- warpgroups 1 and 2 consume: with 128-row tiles each multiplies 64 of the rows, with 64-row tiles
+  (experts with few rows) each takes half of the columns, with WGMMA (fp32 accumulators); then they
+  run the epilogue and store their elements, masked to the rows of the current expert, so partial
+  tiles never write into the next expert's rows.
 - Every warpgroup walks the same sequence of work tiles: tile t = blockIdx.x, then + gridDim.x, ...;
   tiles are numbered expert by expert, and within an expert M-tile fastest, so CTAs running at the
   same time share the expert's weight tile in L2. The walk reads the offsets as it goes, so experts
