@@ -46,11 +46,11 @@ def main(tokens) -> None:
                 tiles: graph_time_us(lambda: interface.gate_up(
                     x, w13, None, offsets, gather, activation="silu", alpha=1.702, limit=7.0,
                     gate_layout="concat", out=inter, tiles=tiles), 30)
-                for tiles in interface._tile_pairs("concat")
+                for tiles in interface.tile_shapes("concat")
             }  # fmt: skip
             dr = {
                 tiles: graph_time_us(lambda: interface.down_reduce(inter, w2, None, offsets, gather, tw, inverse, tiles=tiles), 30)
-                for tiles in interface._tile_pairs("none")
+                for tiles in interface.tile_shapes("none")
             }
             rule = (interface.choose_tiles("concat", i, m, k, e, sms), interface.choose_tiles("none", h, m, k, e, sms))
             print(f"| {name} | {m} | {fmt(gu)} | {fmt(dr)} | {rule} |", flush=True)

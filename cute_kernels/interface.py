@@ -212,12 +212,12 @@ def variants(dtype=torch.bfloat16, bias_dtypes=(None,)):
         for act in ACTIVATIONS:
             for layout in (("concat", "interleaved") if act in GATED else ("none",)):
                 epi = Epilogue(act, layout, has_bias=bias is not None)
-                out += [(epi, True, bias or dtype, *tiles) for tiles in _tile_pairs(layout)]
-        out += [(gemm2, False, bias or dtype, *tiles) for tiles in _tile_pairs("none")]
+                out += [(epi, True, bias or dtype, *tiles) for tiles in tile_shapes(layout)]
+        out += [(gemm2, False, bias or dtype, *tiles) for tiles in tile_shapes("none")]
     return out
 
 
-def _tile_pairs(gate_layout: str) -> list[tuple[int, int]]:
+def tile_shapes(gate_layout: str) -> list[tuple[int, int]]:
     """The (tile_m, tile_n) choose_tiles can return for a layout: gated layouts use tile_n 128 with
     64-row tiles."""
     small = (128,) if gate_layout != "none" else TILE_N[gate_layout]

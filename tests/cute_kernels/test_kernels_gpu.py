@@ -97,7 +97,7 @@ def test_epilogues(interface, activation, layout, bias):
 def test_every_tile_shape(interface, activation, layout, bias):
     """Every (tile_m, tile_n) choose_tiles can pick, for GEMM1 and GEMM2, with ragged experts (some
     above and some below a 64-row tile)."""
-    gate, down = interface._tile_pairs(layout), interface._tile_pairs("none")
+    gate, down = interface.tile_shapes(layout), interface.tile_shapes("none")
     for j in range(max(len(gate), len(down))):
         tiles = (gate[j % len(gate)], down[j % len(down)])
         check(interface, 200, 16, 3, 576, 320, activation=activation, layout=layout, bias=bias, tiles=tiles)
