@@ -220,6 +220,22 @@ class MoeGemmSm90:
         return (rows + self.tile_m - 1) // self.tile_m * n_tiles
 
     @cute.jit
+    def _walk_start(self, mOffsets: cute.Tensor, n_tiles: Int32):
+        """(tile, e, base, e_tiles) where every warpgroup starts the walk (module docstring): this
+        CTA's first work tile, at expert 0, whose tiles are numbered from base = 0."""
+        return cute.arch.block_idx()[0], Int32(0), Int32(0), self._expert_tiles(mOffsets, Int32(0), n_tiles)
+
+    @cute.jit
+    def _next_expert(self, mOffsets: cute.Tensor, e: Int32, base: Int32, e_tiles: Int32, n_tiles: Int32):
+        """(e, base, e_tiles) of the next expert, once the current tile lies past expert e's tiles."""
+        base = base + e_tiles
+        e = e + 1
+        num_experts = mOffsets.shape[0] - 1
+        if e < num_experts:
+            e_tiles = self._expert_tiles(mOffsets, e, n_tiles)
+        return e, base, e_tiles
+
+    @cute.jit
     def _tile_coords(self, mOffsets: cute.Tensor, e: Int32, local: Int32, e_tiles: Int32, n_tiles: Int32):
         """(n_tile, first row, rows left in the expert) of expert e's local-th work tile. M-tiles vary
         fastest, so the CTAs working at the same time share the expert's weight tile in L2."""
@@ -316,10 +332,7 @@ class MoeGemmSm90:
             state_b = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
             src = cute.make_rmem_tensor(rows_per_thread, Int32)
 
-            tile = cute.arch.block_idx()[0]
-            e = Int32(0)
-            base = Int32(0)
-            e_tiles = self._expert_tiles(mOffsets, e, n_tiles)
+            tile, e, base, e_tiles = self._walk_start(mOffsets, n_tiles)
             while e < num_experts:
                 if tile < base + e_tiles:
                     n_tile, row0, rows_left = self._tile_coords(mOffsets, e, tile - base, e_tiles, n_tiles)
@@ -348,10 +361,7 @@ class MoeGemmSm90:
                         state_b.advance()
                     tile += grid
                 else:
-                    base += e_tiles
-                    e += 1
-                    if e < num_experts:
-                        e_tiles = self._expert_tiles(mOffsets, e, n_tiles)
+                    e, base, e_tiles = self._next_expert(mOffsets, e, base, e_tiles, n_tiles)
             pipe_a.producer_tail(state)
             if warp_idx == 0:
                 pipe_b.producer_tail(state_b)
@@ -373,10 +383,7 @@ class MoeGemmSm90:
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
 
-            tile = cute.arch.block_idx()[0]
-            e = Int32(0)
-            base = Int32(0)
-            e_tiles = self._expert_tiles(mOffsets, e, n_tiles)
+            tile, e, base, e_tiles = self._walk_start(mOffsets, n_tiles)
             while e < num_experts:
                 if tile < base + e_tiles:
                     n_tile, row0, rows_left = self._tile_coords(mOffsets, e, tile - base, e_tiles, n_tiles)
@@ -416,10 +423,7 @@ class MoeGemmSm90:
                     )
                     tile += grid
                 else:
-                    base += e_tiles
-                    e += 1
-                    if e < num_experts:
-                        e_tiles = self._expert_tiles(mOffsets, e, n_tiles)
+                    e, base, e_tiles = self._next_expert(mOffsets, e, base, e_tiles, n_tiles)
 
     @cute.jit
     def _find_pairs(self, tCcC, mGather, mInverse, mWeights, topk, row0, rows_left, dest, scale):
