@@ -201,6 +201,15 @@ def test_routed_scaling_factor_scales_output():
 # ---- load_weights --------------------------------------------------------------------------------
 
 
+def _assert_load_rejected(layer, weights, match):
+    """load_weights raises a ValueError matching `match` and leaves both expert weights as they were."""
+    before = [t.clone() for t in layer.float_weights()]
+    with pytest.raises(ValueError, match=match):
+        layer.load_weights(weights)
+    after = layer.float_weights()
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
+
 @pytest.mark.parametrize(
     "naming",
     [
@@ -282,12 +291,7 @@ def test_load_missing_expert_raises(drop, match):
     parts = _expert_tensors()
     names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
     weights = {f"experts.{e}.{names[p]}.weight": parts[p][e] for p in parts for e in range(E) if (p, e) not in drop}
-    layer = _layer()
-    before = [t.clone() for t in layer.float_weights()]
-    with pytest.raises(ValueError, match=match):
-        layer.load_weights(weights)
-    after = layer.float_weights()
-    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    _assert_load_rejected(_layer(), weights, match)
 
 
 def test_load_missing_expert_list_is_truncated():
@@ -330,12 +334,7 @@ def test_load_unknown_name_raises(name):
     ids=["w13_rows", "w2_transposed", "gate_up_proj_E", "router_cols", "router_transposed", "per_expert_down_transposed"],
 )
 def test_load_wrong_shape_raises(weights, match):
-    layer = _layer()
-    before = [t.clone() for t in layer.float_weights()]
-    with pytest.raises(ValueError, match=match):
-        layer.load_weights(weights)
-    after = layer.float_weights()
-    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    _assert_load_rejected(_layer(), weights, match)
 
 
 def test_load_correction_bias_wrong_shape_raises():
