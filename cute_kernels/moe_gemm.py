@@ -32,7 +32,6 @@ thread's registers.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
