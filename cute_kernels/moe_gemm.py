@@ -221,17 +221,43 @@ class MoeGemmSm90:
     @cute.jit
     def _walk_start(self, mOffsets: cute.Tensor, n_tiles: Int32):
         """(tile, e, base, e_tiles) where every warpgroup starts the walk (module docstring): this
-        CTA's first work tile, at expert 0, whose tiles are numbered from base = 0."""
-        return cute.arch.block_idx()[0], Int32(0), Int32(0), self._expert_tiles(mOffsets, Int32(0), n_tiles)
+        CTA's first work tile and the expert e that holds it, whose e_tiles tiles start at base."""
+        tile = cute.arch.block_idx()[0]
+        e, base, e_tiles = self._next_expert(mOffsets, tile, Int32(-1), Int32(0), Int32(0), n_tiles)
+        return tile, e, base, e_tiles
 
     @cute.jit
-    def _next_expert(self, mOffsets: cute.Tensor, e: Int32, base: Int32, e_tiles: Int32, n_tiles: Int32):
-        """(e, base, e_tiles) of the next expert, once the current tile lies past expert e's tiles."""
+    def _next_expert(self, mOffsets: cute.Tensor, tile: Int32, e: Int32, base: Int32, e_tiles: Int32, n_tiles: Int32):
+        """(e, base, e_tiles) of the expert after e that holds `tile` (e >= E when none does), once
+        tile lies past expert e's tiles. The 32 lanes of the warp count the tiles of 32 experts at once
+        and find the expert by a prefix sum and a ballot: with many experts and few tokens most experts
+        are empty, and stepping through them one dependent load at a time cost every CTA microseconds
+        per GEMM before its first tile (bench/NOTES.md, v6). Every lane of the warp must call this with
+        the same arguments (the walk is uniform over the CTA)."""
+        num_experts = mOffsets.shape[0] - 1
+        lane = cute.arch.lane_idx()
         base = base + e_tiles
         e = e + 1
-        num_experts = mOffsets.shape[0] - 1
-        if e < num_experts:
-            e_tiles = self._expert_tiles(mOffsets, e, n_tiles)
+        searching = e < num_experts
+        while searching:
+            mine = e + lane
+            count = Int32(0)
+            if mine < num_experts:
+                count = self._expert_tiles(mOffsets, mine, n_tiles)
+            ends = count  # inclusive prefix sum of count over the lanes
+            for s in cutlass.range_constexpr(5):
+                below = cute.arch.shuffle_sync_up(ends, 1 << s)
+                if lane >= (1 << s):
+                    ends = ends + below
+            # Prefix sums never decrease, so the lanes whose experts end at or before `tile` are the
+            # first `skip`; lane `skip` (if < 32) holds the tile.
+            skip = Int32(cute.arch.popc(cute.arch.vote_ballot_sync(base + ends <= tile)))
+            before = cute.arch.shuffle_sync(ends, (skip + 31) % 32)
+            e_tiles = cute.arch.shuffle_sync(count, skip % 32)
+            if skip > 0:
+                base = base + before
+            e = e + skip
+            searching = skip == 32 and e < num_experts
         return e, base, e_tiles
 
     @cute.jit
@@ -360,7 +386,7 @@ class MoeGemmSm90:
                         state_b.advance()
                     tile += grid
                 else:
-                    e, base, e_tiles = self._next_expert(mOffsets, e, base, e_tiles, n_tiles)
+                    e, base, e_tiles = self._next_expert(mOffsets, tile, e, base, e_tiles, n_tiles)
             pipe_a.producer_tail(state)
             if warp_idx == 0:
                 pipe_b.producer_tail(state_b)
@@ -422,7 +448,7 @@ class MoeGemmSm90:
                     )
                     tile += grid
                 else:
-                    e, base, e_tiles = self._next_expert(mOffsets, e, base, e_tiles, n_tiles)
+                    e, base, e_tiles = self._next_expert(mOffsets, tile, e, base, e_tiles, n_tiles)
 
     @cute.jit
     def _find_pairs(self, tCcC, mGather, mInverse, mWeights, topk, row0, rows_left, dest, scale):
