@@ -52,6 +52,8 @@ EPI_COLS = 64
 EPI_STRIDE = 72
 EPI_WARPS = 8
 EPI_BYTES = EPI_WARPS * 16 * (EPI_STRIDE * 2 + 4)
+# Router-weight epilogue: probes of inverse issued together per row (see _find_pairs).
+PROBES = 4
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,10 @@ class Epilogue:
 
 
 def _sigmoid(x):
-    return 1.0 / (1.0 + cute.math.exp2(-x * _LOG2E, fastmath=True))
+    # rcp.approx (one MUFU op) rather than an IEEE division: its error is far below bf16's, and the
+    # division's Newton steps and slow-path branch per element cost GEMM1 2-6% at M = 8192
+    # (bench/NOTES.md, v6).
+    return cute.arch.rcp_approx(1.0 + cute.math.exp2(-x * _LOG2E, fastmath=True))
 
 
 def _gated(kind: str, g, u, alpha: float, limit: float):
@@ -453,22 +458,30 @@ class MoeGemmSm90:
     @cute.jit
     def _find_pairs(self, tCcC, mGather, mInverse, mWeights, topk, row0, rows_left, dest, scale):
         """For the two rows this thread holds (fragment elements 0 and 2: rows m and m + 8 of the
-        m64 WGMMA accumulator), the pair index and router weight; dest = -1 past the expert's rows."""
+        m64 WGMMA accumulator), the pair index and router weight; dest = -1 past the expert's rows.
+        The k probes of inverse for both rows are unrolled PROBES at a time so their loads overlap:
+        one dependent load per loop step cost qwen3's GEMM2 ~14% at M = 8192 (bench/NOTES.md, v6)."""
         # The accumulator is ((2 columns, 2 rows 8 apart, N/8 column blocks), 1, 1): element i is in
         # row half (i // 2) % 2, which _epilogue relies on too.
         frag = cute.shape(tCcC)
         assert frag[0][0] == 2 and frag[0][1] == 2 and frag[1] == 1 and frag[2] == 1, frag
+        first = cute.make_rmem_tensor((2,), Int32)  # the row's token * k, or -1 past the expert
         for h in cutlass.range_constexpr(2):
             m = tCcC[2 * h][0]
             dest[h] = -1
-            scale[h] = Float32(0.0)
+            first[h] = -1
             if m < rows_left:
-                row = row0 + m
-                first = mGather[row] * topk
-                for j in range(topk):
-                    if mInverse[first + j] == row:
-                        dest[h] = first + j
-                        scale[h] = mWeights[first + j]
+                first[h] = mGather[row0 + m] * topk
+        for j0 in range(0, topk, PROBES):
+            for jj in cutlass.range_constexpr(PROBES):
+                for h in cutlass.range_constexpr(2):
+                    if first[h] >= 0 and j0 + jj < topk:
+                        if mInverse[first[h] + j0 + jj] == row0 + tCcC[2 * h][0]:
+                            dest[h] = first[h] + j0 + jj
+        for h in cutlass.range_constexpr(2):
+            scale[h] = Float32(0.0)
+            if dest[h] >= 0:
+                scale[h] = mWeights[dest[h]]
 
     @cute.jit
     def _epilogue(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, dest, scale, sEpi, sDest):
