@@ -45,6 +45,8 @@ def _compile(kernel, args, tmp_path):
 
 def _check_resources(report: str) -> None:
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    # C7520: ptxas serialises the WGMMAs (e.g. for a branch it cannot prove warpgroup-uniform).
+    assert "C7520" not in report, report
     regs = int(re.search(r"Used (\d+) registers", report).group(1))
     assert regs <= 168, f"{regs} registers: 384 threads would not fit one block per SM"
 
