@@ -418,51 +418,32 @@ class MoeGemmSm90:
                 if tile < base + e_tiles:
                     n_tile, row0, rows_left = self._tile_coords(mOffsets, e, tile - base, e_tiles, n_tiles)
 
-                    # With 128-row tiles, a warpgroup whose 64 rows all lie past the expert's last row (the
-                    # ragged end of an expert: at M = 8192 about half of deepseek's and gpt-oss's experts
-                    # end in such a tile) only frees the stages, leaving the tensor cores to the other.
-                    # The branch is around whole k-loops: a branch inside the loop stops ptxas keeping
-                    # WGMMAs in flight (bench/NOTES.md, v2). Not in GEMM2: there ptxas serialises the
-                    # WGMMAs (C7520) with the branch, wherever it is put.
-                    busy = True
-                    if const_expr(self.wg_grid[0] == 2 and not self.epi.router_weight):
-                        busy = rows_left > 64 * (wg_idx - 1)
-                    if busy:
-                        acc0.fill(0.0)
-                        if const_expr(self.num_parts == 2):
-                            acc1.fill(0.0)
-                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                        warpgroup.fence()
-                        for kt in range(k_tiles):
-                            pipe_a.consumer_wait(read)
-                            pipe_b.consumer_wait(read)
-                            for kb in cutlass.range_constexpr(num_k_blocks):
-                                coord = (None, None, kb, read.index)
-                                cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
-                                if const_expr(self.num_parts == 2):
-                                    cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
-                            warpgroup.commit_group()
-                            # Keep one k-tile of WGMMAs in flight; free the buffer of the one before it.
-                            warpgroup.wait_group(1)
-                            if kt > 0:
-                                pipe_a.consumer_release(release)
-                                pipe_b.consumer_release(release)
-                                release.advance()
-                            read.advance()
-                        warpgroup.wait_group(0)
-                        if k_tiles > 0:
+                    acc0.fill(0.0)
+                    if const_expr(self.num_parts == 2):
+                        acc1.fill(0.0)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.fence()
+                    for kt in range(k_tiles):
+                        pipe_a.consumer_wait(read)
+                        pipe_b.consumer_wait(read)
+                        for kb in cutlass.range_constexpr(num_k_blocks):
+                            coord = (None, None, kb, read.index)
+                            cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
+                            if const_expr(self.num_parts == 2):
+                                cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
+                        warpgroup.commit_group()
+                        # Keep one k-tile of WGMMAs in flight; free the buffer of the one before it.
+                        warpgroup.wait_group(1)
+                        if kt > 0:
                             pipe_a.consumer_release(release)
                             pipe_b.consumer_release(release)
                             release.advance()
-                    else:
-                        for kt in range(k_tiles):
-                            pipe_a.consumer_wait(read)
-                            pipe_b.consumer_wait(read)
-                            pipe_a.consumer_release(read)
-                            pipe_b.consumer_release(read)
-                            read.advance()
-                            release.advance()
-                    # An idle warpgroup's rows are all past rows_left: its epilogue stores nothing.
+                        read.advance()
+                    warpgroup.wait_group(0)
+                    if k_tiles > 0:
+                        pipe_a.consumer_release(release)
+                        pipe_b.consumer_release(release)
+                        release.advance()
                     dest = cute.make_rmem_tensor((2,), Int32)
                     scale = cute.make_rmem_tensor((2,), Float32)
                     if const_expr(self.epi.router_weight):
