@@ -9,48 +9,12 @@ kernels points at gaps between kernels; kernels slower in replay than eagerly po
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 import lowering
 from moe_ops import fused_experts
-from moe_ops.bench import SHAPES, TOKENS, graph_time_us
-
-
-def kernel_durations(fn, calls: int) -> list[tuple[str, float]]:
-    """[(kernel name, mean µs)] in launch order for one call of fn() (after a warm-up call), from
-    `calls` profiled calls."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    events = sorted(
-        (ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA), key=lambda ev: ev.time_range.start
-    )
-    if len(events) % calls:
-        raise RuntimeError(f"{len(events)} kernels over {calls} calls: not the same kernels every call")
-    per_call = len(events) // calls
-    return [
-        (events[i].name, statistics.mean(ev.time_range.elapsed_us() for ev in events[i::per_call]))
-        for i in range(per_call)
-    ]
-
-
-def replay(fn):
-    """A function replaying a CUDA graph of fn() (captured after warm-up on a side stream)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+from moe_ops.bench import SHAPES, TOKENS, capture, graph_time_us, kernel_durations
 
 
 def main(argv=None) -> None:
@@ -74,7 +38,7 @@ def main(argv=None) -> None:
             tw, ids = (tw / tw.sum(-1, keepdim=True)).contiguous(), ids.to(torch.int32)
             with torch.fx.experimental._config.patch(backed_size_oblivious=True):
                 eager = kernel_durations(lambda: layer(x, w13, w2, tw, ids), args.calls)
-                in_replay = kernel_durations(replay(lambda: layer(x, w13, w2, tw, ids)), args.calls)
+                in_replay = kernel_durations(capture(lambda: layer(x, w13, w2, tw, ids)).replay, args.calls)
                 median = graph_time_us(lambda: layer(x, w13, w2, tw, ids), 40)
             listed = lambda ks: ", ".join(f"{kname[:20]}: {us:.1f}" for kname, us in ks)  # noqa: E731
             total = lambda ks: sum(us for _, us in ks)  # noqa: E731

@@ -32,8 +32,9 @@ SHAPES = {
 TOKENS = (1, 16, 128, 1024, 8192)
 
 
-def graph_time_us(fn, replays: int, warmup: int = 5) -> float:
-    """Median µs of one replay of a CUDA graph of fn() (captured after warm-up), timed with events."""
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one call of fn(), captured after three warm-up calls on a side stream (the
+    warm-up compiles and allocates outside the capture)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -43,6 +44,12 @@ def graph_time_us(fn, replays: int, warmup: int = 5) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def graph_time_us(fn, replays: int, warmup: int = 5) -> float:
+    """Median µs of one replay of a CUDA graph of fn() (captured after warm-up), timed with events."""
+    graph = capture(fn)
     for _ in range(warmup):
         graph.replay()
     times = []
@@ -56,14 +63,30 @@ def graph_time_us(fn, replays: int, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def kernel_launches(fn) -> list[str]:
-    """The names of the GPU kernels one call of fn() launches (after a warm-up call), by the profiler."""
+def kernel_durations(fn, calls: int) -> list[tuple[str, float]]:
+    """[(kernel name, mean µs)] in launch order for one call of fn() (after a warm-up call), from
+    `calls` calls under the profiler."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
-    return [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    events = sorted(
+        (ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA), key=lambda ev: ev.time_range.start
+    )
+    if len(events) % calls:
+        raise RuntimeError(f"{len(events)} kernels over {calls} calls: not the same kernels every call")
+    per_call = len(events) // calls
+    return [
+        (events[i].name, statistics.mean(ev.time_range.elapsed_us() for ev in events[i::per_call]))
+        for i in range(per_call)
+    ]
+
+
+def kernel_launches(fn) -> list[str]:
+    """The names of the GPU kernels one call of fn() launches (after a warm-up call), by the profiler."""
+    return [name for name, _ in kernel_durations(fn, 1)]
 
 
 def measure_ceilings() -> tuple[float, float]:
