@@ -14,7 +14,7 @@ import torch
 
 import lowering
 from moe_ops import fused_experts
-from moe_ops.bench import SHAPES, TOKENS, capture, graph_time_us, kernel_durations
+from moe_ops.bench import SHAPES, TOKENS, capture, expert_weights, graph_time_us, kernel_durations, layer_inputs
 
 
 def main(argv=None) -> None:
@@ -28,14 +28,10 @@ def main(argv=None) -> None:
     print("| shape | M | eager kernels (µs each, launch order) | in replay | eager sum µs | replay sum µs | replay median µs |")
     print("|---|---|---|---|---|---|---|")
     for name in args.shapes:
-        e, k, h, i = SHAPES[name]
-        w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) / h**0.5
-        w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) / i**0.5
+        w13, w2 = expert_weights(name)
         layer = torch.compile(fused_experts, fullgraph=True, dynamic=True)
         for m in args.tokens:
-            x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
-            tw, ids = torch.softmax(torch.randn(m, e, device="cuda"), -1).topk(k, dim=-1)
-            tw, ids = (tw / tw.sum(-1, keepdim=True)).contiguous(), ids.to(torch.int32)
+            x, tw, ids = layer_inputs(name, m)
             with torch.fx.experimental._config.patch(backed_size_oblivious=True):
                 eager = kernel_durations(lambda: layer(x, w13, w2, tw, ids), args.calls)
                 in_replay = kernel_durations(capture(lambda: layer(x, w13, w2, tw, ids)).replay, args.calls)

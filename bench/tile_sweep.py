@@ -9,7 +9,7 @@ import sys
 import torch
 
 from cute_kernels import interface
-from moe_ops.bench import SHAPES, TOKENS, graph_time_us
+from moe_ops.bench import SHAPES, TOKENS, expert_weights, graph_time_us, layer_inputs
 from moe_ops.plan import routing_plan
 
 
@@ -34,12 +34,9 @@ def main(tokens) -> None:
     sms = interface.num_sms(0)
     fmt = lambda d: ", ".join(f"{tm}x{tn}: {us:.0f}" for (tm, tn), us in d.items())  # noqa: E731
     for name, (e, k, h, i) in SHAPES.items():
-        w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) / h**0.5
-        w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) / i**0.5
+        w13, w2 = expert_weights(name)
         for m in tokens:
-            x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
-            tw, ids = torch.softmax(torch.randn(m, e, device="cuda"), -1).topk(k, dim=-1)
-            tw, ids = tw.contiguous(), ids.to(torch.int32)
+            x, tw, ids = layer_inputs(name, m)
             offsets, gather, inverse = routing_plan(ids, e, None)
             inter = torch.empty(m * k, i, device="cuda", dtype=torch.bfloat16)
             gu = {

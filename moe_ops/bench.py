@@ -47,6 +47,24 @@ def capture(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def expert_weights(name: str, device="cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13 [E, 2I, H], w2 [E, H, I]) bf16 random weights of shape `name`, scaled so activations stay O(1)."""
+    e, _, h, i = SHAPES[name]
+    w13 = torch.randn(e, 2 * i, h, device=device, dtype=torch.bfloat16) / h**0.5
+    w2 = torch.randn(e, h, i, device=device, dtype=torch.bfloat16) / i**0.5
+    return w13, w2
+
+
+def layer_inputs(name: str, m: int, device="cuda") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [M, H] bf16, topk_weights [M, k] float32 summing to 1 per token, topk_ids [M, k] int32) for
+    shape `name`: random tokens routed by the top k of a softmax over random logits (uniform routing)."""
+    e, k, h, _ = SHAPES[name]
+    x = torch.randn(m, h, device=device, dtype=torch.bfloat16)
+    topk_weights, topk_ids = torch.softmax(torch.randn(m, e, device=device), -1).topk(k, dim=-1)
+    topk_weights = (topk_weights / topk_weights.sum(-1, keepdim=True)).contiguous()
+    return x, topk_weights, topk_ids.to(torch.int32)
+
+
 def graph_time_us(fn, replays: int, warmup: int = 5) -> float:
     """Median µs of one replay of a CUDA graph of fn() (captured after warm-up), timed with events."""
     graph = capture(fn)
@@ -190,17 +208,12 @@ def run(shapes, tokens, replays: int) -> list[dict]:
     records, total, done = [], len(shapes) * len(tokens), 0
     for name in shapes:
         e, k, h, i = SHAPES[name]
-        w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) / h**0.5
-        w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) / i**0.5
+        w13, w2 = expert_weights(name)
         # One compile per shape: the token dimension is dynamic, 1 included (backed_size_oblivious).
         layer = torch.compile(fused_experts, fullgraph=True, dynamic=True)
         for m in tokens:
             progress(done, total, f"{name} M={m}")
-            x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
-            logits = torch.randn(m, e, device="cuda")
-            topk_weights, topk_ids = torch.softmax(logits, -1).topk(k, dim=-1)
-            topk_weights = (topk_weights / topk_weights.sum(-1, keepdim=True)).contiguous()
-            topk_ids = topk_ids.to(torch.int32)
+            x, topk_weights, topk_ids = layer_inputs(name, m)
             with torch.fx.experimental._config.patch(backed_size_oblivious=True):
                 ours_us = graph_time_us(lambda: layer(x, w13, w2, topk_weights, topk_ids), replays)
                 launches = len(kernel_launches(lambda: layer(x, w13, w2, topk_weights, topk_ids)))
