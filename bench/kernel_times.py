@@ -4,7 +4,10 @@ For each benchmark shape and token count: the duration of each kernel one call o
 launches (torch.profiler, mean over --calls calls), run eagerly and inside CUDA-graph replays, their
 sums, and the replay median that `python -m moe_ops.bench` reports. A replay much longer than its
 kernels points at gaps between kernels; kernels slower in replay than eagerly point at the GPU's state
-(clocks under sustained load) or memory placement. Prints a markdown table.
+(clocks under sustained load) or memory placement. The GEMMs and the token sum launch as programmatic
+dependents (PDL): each starts while the kernel before it finishes and waits for it, so its duration
+includes that wait and the durations of one call overlap; the replay median is the layer's time.
+Prints a markdown table.
 """
 from __future__ import annotations
 

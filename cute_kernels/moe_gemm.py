@@ -25,6 +25,11 @@ Structure (warp-specialised, persistent):
   same time share the expert's weight tile in L2. The walk reads the offsets as it goes, so experts
   with no rows (and pairs dropped by expert_map, sorted past offsets[E]) cost nothing.
 
+Launch: programmatic dependent launch (PDL). The CTAs start, initialise their barriers and prefetch
+the TMA descriptors while the previous kernel (the routing plan, or GEMM1) finishes, then wait for it
+(griddepcontrol.wait) before reading any global memory; in a CUDA graph of the layer this hides most
+of the gap between kernels, which weighs at small M (bench/NOTES.md, v8).
+
 B parts: a gated activation with w13 = [gate; up] loads the gate rows and the up rows of the same
 output columns as two parts with two accumulators, so the epilogue combines act(gate) * up within
 each thread; interleaved gate/up (gpt-oss) is one part whose adjacent columns pair up in the same
@@ -214,7 +219,7 @@ class MoeGemmSm90:
         self.kernel(
             self.tiled_mma, tma_b0, gB0, tma_b1, gB1, mA, mC, mOffsets, mGather, mBias, mInverse, mWeights, topk,
             sA_layout, sB_layout,
-        ).launch(grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream)  # fmt: skip
+        ).launch(grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream, use_pdl=True)  # fmt: skip
 
     # ---- device side -----------------------------------------------------------------------------
 
@@ -320,6 +325,11 @@ class MoeGemmSm90:
         )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        # Programmatic dependent launch (the module docstring): nothing above reads global memory; from
+        # here on the previous kernel's outputs are complete. Letting the next kernel launch now only
+        # queues its CTAs for the SMs this one frees.
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
 
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB0 = storage.sB0.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)

@@ -7,16 +7,18 @@ a token's k rows are adjacent. Deterministic: one CTA owns a token and adds its 
 j = 0..k-1, with no atomics, so the same inputs give bit-identical outputs run to run. A pair whose
 grouped row (inverse) is at or past offsets[E] (dropped by expert_map, or out of range) was never
 written by GEMM2; it contributes nothing and its row is never read.
-Each thread moves 16-byte chunks (8 bf16/fp16 values); H must be a multiple of 8.
+Each thread owns one 16-byte chunk (8 bf16/fp16 values) of a token's row; H must be a multiple of 8.
 """
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
+import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 THREADS = 128
 VEC = 8
+UNROLL = 4  # rows of a token loaded together
 
 
 class TokenSumSm90:
@@ -38,25 +40,41 @@ class TokenSumSm90:
         mInv = cute.make_tensor(inverse_ptr, cute.make_layout((m * k,)))
         mOff = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
         mOut = cute.make_tensor(out_ptr, cute.make_layout((m, h), stride=(h, 1)))
-        self.kernel(mY, mInv, mOff, mOut, k, num_experts).launch(grid=[m, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        # One thread per 16-byte chunk of a token's row, so a small M still spreads over many SMs (one
+        # CTA per token looping over H cost up to ~20 µs at M = 1, H = 7168).
+        parts = (h // VEC + THREADS - 1) // THREADS
+        self.kernel(mY, mInv, mOff, mOut, k, num_experts).launch(
+            grid=[m, parts, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True
+        )
 
     @cute.kernel
     def kernel(self, mY: cute.Tensor, mInv: cute.Tensor, mOff: cute.Tensor, mOut: cute.Tensor, k: Int32, num_experts: Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        token, _, _ = cute.arch.block_idx()
+        token, part, _ = cute.arch.block_idx()
+        # Launched dependent on GEMM2 (PDL): wait for it before reading y.
+        cute.arch.griddepcontrol_wait()
         h = mOut.shape[1]
         valid_rows = mOff[num_experts]
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mY.element_type, num_bits_per_copy=128)
-        frag = cute.make_rmem_tensor((VEC,), mY.element_type)
+        frags = [cute.make_rmem_tensor((VEC,), mY.element_type) for _ in range(UNROLL)]
         res = cute.make_rmem_tensor((VEC,), mOut.element_type)
-        chunks = h // VEC
-        for c in range(tidx, chunks, THREADS):
+        c = part * THREADS + tidx
+        if c < h // VEC:
             acc = cute.make_rmem_tensor((VEC,), Float32)
             acc.fill(0.0)
-            for j in range(k):
-                row = mInv[token * k + j]
-                if row >= 0 and row < valid_rows:
-                    cute.copy(atom, cute.local_tile(mY[token * k + j, None], (VEC,), (c,)), frag)
-                    acc.store(acc.load() + frag.load().to(Float32))
+            for j0 in range(0, k, UNROLL):
+                # UNROLL rows' loads issued together, then added in the order j = 0..k-1.
+                use = cute.make_rmem_tensor((UNROLL,), Int32)
+                for jj in cutlass.range_constexpr(UNROLL):
+                    j = j0 + jj
+                    use[jj] = 0
+                    if j < k:
+                        row = mInv[token * k + j]
+                        if row >= 0 and row < valid_rows:
+                            use[jj] = 1
+                            cute.copy(atom, cute.local_tile(mY[token * k + j, None], (VEC,), (c,)), frags[jj])
+                for jj in cutlass.range_constexpr(UNROLL):
+                    if use[jj] != 0:
+                        acc.store(acc.load() + frags[jj].load().to(Float32))
             res.store(acc.load().to(mOut.element_type))
             cute.copy(atom, res, cute.local_tile(mOut[token, None], (VEC,), (c,)))

@@ -1,7 +1,8 @@
 """Every kernel variant the fused ops can request compiles for sm_90a on this (CPU-only) machine, and
 its generated code has the facts the design relies on: WGMMA for the GEMMs, TMA
 (cp.async.bulk.tensor) for the weights, cp.async for the gathered rows, no local memory or spills
-(ptxas -v for sm_90a), and shared memory within the 227 KB an sm_90 block may use."""
+(ptxas -v for sm_90a), shared memory within the 227 KB an sm_90 block may use, and no global memory
+access before griddepcontrol.wait (they launch as programmatic dependents)."""
 from __future__ import annotations
 
 import os
@@ -51,6 +52,17 @@ def _check_resources(report: str) -> None:
     assert regs <= 168, f"{regs} registers: 384 threads would not fit one block per SM"
 
 
+def _waits_before_global_access(ptx: str) -> None:
+    """The kernels launch as programmatic dependents of the kernel before them (PDL), so they must
+    not touch global memory before griddepcontrol.wait: the previous kernel's writes are visible
+    only after it."""
+    body = ptx[ptx.index(".entry"):]
+    wait = body.find("griddepcontrol.wait")
+    assert wait >= 0, "no griddepcontrol.wait"
+    accesses = [i for i in (body.find(op) for op in ("ld.global", "st.global", "cp.async", "atom.global", "red.global")) if i >= 0]
+    assert accesses and wait < min(accesses), "a global access before griddepcontrol.wait"
+
+
 def _id(v) -> str:
     dtype, epi, gather, bias_dtype, tile_m, tile_n = v
     bias = str(bias_dtype).removeprefix("torch.") if epi.has_bias else "none"
@@ -76,6 +88,8 @@ def test_moe_gemm_variant(variant, tmp_path):
         # GEMM2's epilogue stages rows through shared memory and stores them 16 bytes at a time.
         assert "st.global.v4.b32" in ptx and "st.global.b32" not in ptx
     assert ".local" not in ptx
+    _waits_before_global_access(ptx)
+    assert "griddepcontrol.launch_dependents" in ptx
     assert kernel.storage.size_in_bytes() <= SMEM_CAPACITY
     assert kernel.num_stages >= 3
     if shutil.which("ptxas"):
@@ -88,6 +102,7 @@ def test_token_sum(dtype, tmp_path):
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "16-byte loads and stores"
     assert "atom." not in ptx and "red." not in ptx, "no atomics: the reduction is deterministic"
     assert ".local" not in ptx
+    _waits_before_global_access(ptx)
     if shutil.which("ptxas"):
         _check_resources(_ptxas(ptx, tmp_path))
 
