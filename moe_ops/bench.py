@@ -147,39 +147,60 @@ def torch_grouped_mm_layer(x, w13, w2, topk_weights, topk_ids):
 
 
 _COMPILE_PROBE = """
-import json, sys, time, torch
-t0 = time.perf_counter()
+import json, sys, time
+t = [time.perf_counter()]
+import torch
+t.append(time.perf_counter())
+torch.empty(1, device="cuda")  # the CUDA context
+t.append(time.perf_counter())
 from cute_kernels import interface
 from moe_ops.plan import routing_plan
+t.append(time.perf_counter())
 e, k, h, i = map(int, sys.argv[1:5])
-x = torch.randn(16, h, device="cuda", dtype=torch.bfloat16)
-w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16)
-w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16)
+# Values do not matter for timing; empty tensors keep 22 GB of randn (deepseek) out of the figures.
+x = torch.empty(16, h, device="cuda", dtype=torch.bfloat16).normal_()
+w13 = torch.empty(e, 2 * i, h, device="cuda", dtype=torch.bfloat16)
+w2 = torch.empty(e, h, i, device="cuda", dtype=torch.bfloat16)
 tw = torch.rand(16, k, device="cuda")
 ids = torch.randint(0, e, (16, k), device="cuda", dtype=torch.int32)
+torch.cuda.synchronize()
+t.append(time.perf_counter())
 offsets, gather, inverse = routing_plan(ids, e, None)
 torch.cuda.synchronize()
-t1 = time.perf_counter()
+t.append(time.perf_counter())
 inter = interface.gate_up(x, w13, None, offsets, gather, activation="silu", alpha=1.702, limit=7.0, gate_layout="concat")
 interface.down_reduce(inter, w2, None, offsets, gather, tw, inverse)
 torch.cuda.synchronize()
-print(json.dumps(dict(import_s=t1 - t0, kernels_s=time.perf_counter() - t1, how=sorted({v[0] for v in interface.cc.timings.values()}))))
+t.append(time.perf_counter())
+d = [b - a for a, b in zip(t, t[1:])]
+print(json.dumps(dict(torch_s=d[0], cuda_init_s=d[1], import_s=d[2], plan_s=d[4], kernels_s=d[5],
+                      how=sorted({v[0] for v in interface.cc.timings.values()}))))
 """
 
 
 def compile_times(name: str) -> dict:
-    """Seconds to get one layer's kernels (GEMM1, GEMM2, token sum) for shape `name` ready, in a fresh
-    process: cold (empty disk cache: the CuTe DSL compiles) and warm (loaded from the disk cache)."""
+    """Seconds to get one layer's kernels (GEMM1, GEMM2, token sum, and the Triton routing plan) for
+    shape `name` ready in a fresh process, cold (empty disk caches: the CuTe DSL and Triton compile)
+    and warm (loaded from them), split into: import torch, CUDA context, import of this package (the
+    CuTe DSL, Triton), the plan's first call, the GEMMs' first calls. "start_s" sums all but torch's
+    import: what a process that already uses torch on the GPU waits for before the layer runs."""
     import tempfile
 
     e, k, h, i = SHAPES[name]
     out = {}
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, MOE_OPS_CUTE_CACHE=cache)
+        env = dict(os.environ, MOE_OPS_CUTE_CACHE=f"{cache}/cute", TRITON_CACHE_DIR=f"{cache}/triton")
+        # With PYTHONDONTWRITEBYTECODE=1 (set on the lent GPU host, whose torch has no bytecode) every
+        # process compiled ~800 modules from source, about 3 s; the probes write bytecode as a normal
+        # Python does, the cold one into a fresh cache.
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = f"{cache}/pycache"
         for run_name in ("cold", "warm"):
             proc = subprocess.run([sys.executable, "-c", _COMPILE_PROBE, str(e), str(k), str(h), str(i)],
                                   capture_output=True, text=True, env=env, check=True)  # fmt: skip
-            out[run_name] = json.loads(proc.stdout.strip().splitlines()[-1])
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            r["start_s"] = r["cuda_init_s"] + r["import_s"] + r["plan_s"] + r["kernels_s"]
+            out[run_name] = r
     return out
 
 
@@ -297,8 +318,10 @@ def main(argv=None) -> int:
     if args.compile_times:
         for name in args.shapes:
             t = compile_times(name)
-            print(f"{name}: cold {t['cold']['kernels_s']:.1f} s ({t['cold']['how']}), warm {t['warm']['kernels_s']:.2f} s "
-                  f"({t['warm']['how']}); imports {t['cold']['import_s']:.1f} / {t['warm']['import_s']:.1f} s")  # fmt: skip
+            for run_name, r in t.items():
+                print(f"{name} {run_name}: start {r['start_s']:.2f} s = CUDA context {r['cuda_init_s']:.2f} + imports "
+                      f"{r['import_s']:.2f} + plan {r['plan_s']:.2f} + GEMMs {r['kernels_s']:.2f} ({', '.join(r['how'])}); "
+                      f"import torch {r['torch_s']:.2f} s")  # fmt: skip
         return 0
     records = run(args.shapes, args.tokens, args.replays)
     out = args.out or Path("bench/results") / torch.cuda.get_device_name().replace(" ", "-")
