@@ -3,11 +3,11 @@
     out[m, :] = sum_{j=0}^{k-1} y[m*k + j, :]     over the pairs that hold work (float32, then the output dtype)
 
 y is in pair order and already scaled by the router weights (moe_gemm.py's router-weight epilogue), so
-a token's k rows are adjacent. Deterministic: one CTA owns a token and adds its k rows in the order
-j = 0..k-1, with no atomics, so the same inputs give bit-identical outputs run to run. A pair whose
-grouped row (inverse) is at or past offsets[E] (dropped by expert_map, or out of range) was never
-written by GEMM2; it contributes nothing and its row is never read.
-Each thread owns one 16-byte chunk (8 bf16/fp16 values) of a token's row; H must be a multiple of 8.
+a token's k rows are adjacent. Deterministic: each thread owns one 16-byte chunk (8 bf16/fp16 values)
+of a token's row (grid: tokens x H / 1024) and adds that chunk of the k rows in the order j = 0..k-1,
+with no atomics, so the same inputs give bit-identical outputs run to run. A pair whose grouped row
+(inverse) is at or past offsets[E] (dropped by expert_map, or out of range) was never written by
+GEMM2; it contributes nothing and its row is never read. H must be a multiple of 8.
 """
 from __future__ import annotations
 
