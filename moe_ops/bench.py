@@ -310,7 +310,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--out", type=Path, default=None, help="default: bench/results/<gpu-name>/")
-    parser.add_argument("--compile-times", action="store_true", help="only time cold and warm kernel compiles per shape")
+    parser.add_argument("--compile-times", action="store_true", help="only time a fresh process's start per shape, cold and from the disk caches")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("moe_ops.bench needs a CUDA GPU", file=sys.stderr)

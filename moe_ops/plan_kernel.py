@@ -80,7 +80,7 @@ def _routing_plan_kernel(
 
 
 def launch_config(num_pairs: int) -> tuple[int, int, int]:
-    """(BLOCK, SCAN, num_warps) for P pairs, from timings on an H200 (bench/NOTES.md, v3): the sort of
+    """(BLOCK, SCAN, num_warps) for P pairs, from timings on an H200 (bench/NOTES.md, v5): the sort of
     a block costs more than the histogram scan, so blocks stay at 1-2K pairs; the scan reads 8-16K
     pairs per step."""
     p2 = max(128, triton.next_power_of_2(num_pairs))

@@ -8,8 +8,6 @@ from moe_ops.gemm import grouped_gemm
 from moe_ops.plan import routing_plan
 from moe_ops.reduce import weighted_reduce
 
-# (E, top-k, hidden, intermediate) of the benchmarked models, and their token counts.
-from moe_ops.bench import SHAPES, TOKENS  # noqa: E402,F401
 NONE = [-1, -1]
 
 

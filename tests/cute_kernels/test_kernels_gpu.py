@@ -11,7 +11,9 @@ import random
 import pytest
 import torch
 
-from .gpu_cases import SHAPES, TOKENS, reference, rel_err, routing, weights
+from moe_ops.bench import SHAPES, TOKENS  # the benchmarked models' (E, top-k, H, I) and token counts
+
+from .gpu_cases import reference, rel_err, routing, weights
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-2

@@ -148,7 +148,6 @@ def test_reduce_overhead_replays_match_eager_without_recompiles_or_syncs():
         assert len(report.fused) == 2 and report.unfused == []
 
 
-
 @pytest.mark.gpu
 def test_explain_reports_cute_backend_and_kernels_run(monkeypatch):
     """On Hopper with the CuTe DSL available, explain() names the cute backend for both fused ops,
