@@ -83,6 +83,8 @@ def test_moe_gemm_variant(variant, tmp_path):
     tma = ptx.count("cp.async.bulk.tensor.3d.shared::cta.global")
     assert tma >= kernel.num_parts and tma % kernel.num_parts == 0
     assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    # Rows past the expert are zero-filled: the cp.async takes a source size (16 or 0) from a register.
+    assert re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", ptx)
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     if epi.router_weight:
         # GEMM2's epilogue stages rows through shared memory and stores them 16 bytes at a time.
