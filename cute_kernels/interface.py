@@ -5,8 +5,8 @@ gate_up(x [M, H], w [E, N, H], bias [E, N] | None, offsets [E+1], gather [P]) ->
     GEMM1 over the grouped rows, tokens gathered in the kernel, activation (and bias) in the epilogue.
     N = 2I for gated activations ([gate; up] "concat" or "interleaved"), I for relu2.
 down_reduce(a [P, I], w [E, H, I], bias [E, H] | None, offsets, gather [P], topk_weights [M, k], inverse [P]) -> [M, H]
-    GEMM2 over the grouped rows; its epilogue scales each row by its pair's router weight and stores it
-    in pair order into a [P, H] scratch; then the deterministic per-token sum (token_sum.py).
+    GEMM2 over the grouped rows into a [P, H] scratch in grouped-row order; then the deterministic
+    per-token sum of the router-weighted rows (token_sum.py).
 """
 from __future__ import annotations
 
@@ -120,14 +120,15 @@ def _stream(device: torch.device):
 def gemm_compile_args(a_dtype, bias_dtype) -> tuple:
     """Placeholder arguments with MoeGemmSm90.__call__'s types, to compile it without tensors."""
     ad, bd, i32 = _CUTLASS_DTYPE[a_dtype], _CUTLASS_DTYPE[bias_dtype], cutlass.Int32
-    ptrs = (*[cc.fake_ptr(ad)] * 4, cc.fake_ptr(i32), cc.fake_ptr(i32), cc.fake_ptr(bd), cc.fake_ptr(i32), cc.fake_ptr(cutlass.Float32))
-    return (*ptrs, *[Int32(64)] * 9, cc.fake_stream())
+    ptrs = (*[cc.fake_ptr(ad)] * 4, cc.fake_ptr(i32), cc.fake_ptr(i32), cc.fake_ptr(bd))
+    return (*ptrs, *[Int32(64)] * 8, cc.fake_stream())
 
 
 def token_sum_compile_args(dtype) -> tuple:
     """Placeholder arguments with TokenSumSm90.__call__'s types."""
     d, i32 = _CUTLASS_DTYPE[dtype], cutlass.Int32
-    return (cc.fake_ptr(d), cc.fake_ptr(i32), cc.fake_ptr(i32), cc.fake_ptr(d), *[Int32(8)] * 4, cc.fake_stream())
+    ptrs = (cc.fake_ptr(d), cc.fake_ptr(i32), cc.fake_ptr(cutlass.Float32), cc.fake_ptr(i32), cc.fake_ptr(d))
+    return (*ptrs, *[Int32(8)] * 4, cc.fake_stream())
 
 
 def _gemm(epilogue: Epilogue, gather: bool, a_dtype, bias_dtype, sms: int, tile_m: int = 128, tile_n: int = 256):
@@ -144,14 +145,13 @@ def _token_sum(dtype):
     return cc.get(f"token_sum:{dtype}", lambda: (TokenSumSm90(), token_sum_compile_args(dtype)))
 
 
-def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride, inverse=None, weights=None, topk=0):
+def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride):
     num_experts = offsets.shape[0] - 1
     fn(
         _ptr(a), _ptr(w_parts[0]), _ptr(w_parts[1]), _ptr(out), _ptr(offsets), _ptr(gather),
         _ptr(bias if bias is not None else w_parts[0]),
-        _ptr(inverse if inverse is not None else offsets), _ptr(weights if weights is not None else offsets),
         Int32(a.shape[0]), Int32(a.shape[1]), Int32(n_part), Int32(num_experts), Int32(b_stride),
-        Int32(out.shape[0]), Int32(out.shape[1]), Int32(bias.shape[1] if bias is not None else 0), Int32(topk),
+        Int32(out.shape[0]), Int32(out.shape[1]), Int32(bias.shape[1] if bias is not None else 0),
         _stream(a.device),
     )  # fmt: skip
 
@@ -192,13 +192,13 @@ def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, ti
     if m == 0:
         return out
     y = torch.empty(a.shape[0], hidden, dtype=a.dtype, device=a.device)
-    epi = Epilogue("none", "none", has_bias=bias is not None, router_weight=True)
+    epi = Epilogue("none", "none", has_bias=bias is not None)
     sms = num_sms(a.device.index)
     tiles = tiles or choose_tiles("none", hidden, m, k, num_experts, sms)
     fn = _gemm(epi, False, a.dtype, bias.dtype if bias is not None else a.dtype, sms, *tiles)
-    _launch_gemm(fn, a, (w, w), y, offsets, gather, bias, hidden, hidden * inter, inverse, topk_weights, k)
+    _launch_gemm(fn, a, (w, w), y, offsets, gather, bias, hidden, hidden * inter)
     _token_sum(a.dtype)(
-        _ptr(y), _ptr(inverse), _ptr(offsets), _ptr(out), Int32(m), Int32(k), Int32(hidden), Int32(num_experts), _stream(a.device),
+        _ptr(y), _ptr(inverse), _ptr(topk_weights), _ptr(offsets), _ptr(out), Int32(m), Int32(k), Int32(hidden), Int32(num_experts), _stream(a.device),
     )  # fmt: skip
     return out
 
@@ -208,7 +208,7 @@ def variants(dtype=torch.bfloat16, bias_dtypes=(None,)):
     for activations in `dtype`."""
     out = []
     for bias in bias_dtypes:
-        gemm2 = Epilogue("none", "none", has_bias=bias is not None, router_weight=True)
+        gemm2 = Epilogue("none", "none", has_bias=bias is not None)
         for act in ACTIVATIONS:
             for layout in (("concat", "interleaved") if act in GATED else ("none",)):
                 epi = Epilogue(act, layout, has_bias=bias is not None)

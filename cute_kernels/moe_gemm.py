@@ -3,12 +3,9 @@
     C[r, :] = epilogue(A[src(r), :] @ B[e(r)].T)   for every grouped row r of every expert e,
 
 where the rows of expert e are [offsets[e], offsets[e+1]) (device memory; the kernel reads them, the
-host never does) and src(r) = gather[r] (GEMM1 reads tokens) or r (GEMM2 reads its own rows).
-
-With a router-weight epilogue (GEMM2) the row goes to the pair it belongs to instead:
-    C[p, :] = topk_weights[p] * (A[r, :] @ B[e(r)].T + bias[e(r)]),  p = t * k + j the pair of row r,
-found from t = gather[r] and the j < k with inverse[t * k + j] = r. C is then in pair order, so a
-token's k rows are adjacent for the reduction that follows (token_sum.py).
+host never does) and src(r) = gather[r] (GEMM1 reads tokens) or r (GEMM2 reads its own rows). GEMM2's
+rows stay in grouped-row order; the router weights are applied by the per-token sum that follows
+(token_sum.py), which finds each pair's row through inverse.
 
 Structure (warp-specialised, persistent):
 - warpgroup 0 produces: its 128 threads gather A rows with cp.async (16-byte chunks, any row order,
@@ -59,30 +56,24 @@ EPI_COLS = 64
 EPI_STRIDE = 72
 EPI_WARPS = 8
 EPI_BYTES = EPI_WARPS * 16 * (EPI_STRIDE * 2 + 4)
-# Router-weight epilogue: probes of inverse issued together per row (see _find_pairs).
-PROBES = 4
 
 
 @dataclass(frozen=True)
 class Epilogue:
     """What the epilogue does to each accumulator row before storing it.
     activation: "none" (store), or a gated kind (silu, gelu, gelu_tanh, swigluoai), or relu2.
-    gate_layout: "concat" ([gate; up] as two B parts), "interleaved" (pairs of columns) or "none".
-    router_weight: scale each row by its pair's router weight and store it at the pair's index (GEMM2)."""
+    gate_layout: "concat" ([gate; up] as two B parts), "interleaved" (pairs of columns) or "none"."""
 
     activation: str = "none"
     gate_layout: str = "none"
     alpha: float = 1.702
     limit: float = 7.0
     has_bias: bool = False
-    router_weight: bool = False
 
     def __post_init__(self):
         gated = self.activation in ("silu", "gelu", "gelu_tanh", "swigluoai")
         if gated != (self.gate_layout in ("concat", "interleaved")):
             raise ValueError(f"Epilogue: activation {self.activation!r} does not go with gate_layout {self.gate_layout!r}")
-        if self.router_weight and self.activation != "none":
-            raise ValueError(f"Epilogue: router_weight is for GEMM2 (activation 'none'), not {self.activation!r}")
 
 
 def _sigmoid(x):
@@ -122,9 +113,10 @@ class MoeGemmSm90:
     def __init__(
         self, epilogue: Epilogue, *, tile_n: int = 256, tile_m: int = 128, gather: bool, num_sms: int = 132, stages: int | None = None
     ):
-        # Epilogue stores staged through shared memory (16-byte, row-contiguous) for GEMM2 only. Same-run
-        # A/B on an H200 (bench/NOTES.md, v2): GEMM2 at M = 8192 10-18% faster; GEMM1 mixed (-8% to +10%).
-        self.staged = epilogue.router_weight
+        # Epilogue stores staged through shared memory (16-byte, row-contiguous) for GEMM2 (no gather)
+        # only. Same-run A/B on an H200 (bench/NOTES.md, v2): GEMM2 at M = 8192 10-18% faster; GEMM1
+        # mixed (-8% to +10%).
+        self.staged = not gather
         if 128 * (self.producer_regs + self.num_consumer_wgs * self.consumer_regs) > 65536:
             raise ValueError("producer and consumer register budgets exceed the 64K-register file")
         self.epi = epilogue
@@ -160,8 +152,6 @@ class MoeGemmSm90:
         offsets_ptr: cute.Pointer,  # (E + 1,) int32
         gather_ptr: cute.Pointer,  # (P,) int32; read only when gather
         bias_ptr: cute.Pointer,  # (E, N) bias rows; read only with has_bias
-        inverse_ptr: cute.Pointer,  # (P,) int32 grouped row of each pair; read only with router_weight
-        weights_ptr: cute.Pointer,  # (P,) float32 router weight of each pair; read only with router_weight
         rows_a: Int32,
         k: Int32,
         n_part: Int32,
@@ -170,7 +160,6 @@ class MoeGemmSm90:
         rows_c: Int32,
         n_out: Int32,
         bias_stride: Int32,
-        topk: Int32,  # pairs per token; used only with router_weight
         stream: cuda.CUstream,
     ):
         # Shapes the kernel relies on (checked by the caller): K and the B/C rows are multiples of
@@ -185,8 +174,6 @@ class MoeGemmSm90:
         mOffsets = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
         mGather = cute.make_tensor(gather_ptr, cute.make_layout((rows_c,)))
         mBias = cute.make_tensor(bias_ptr, cute.make_layout((num_experts, bias_stride), stride=(bias_stride, 1)))
-        mInverse = cute.make_tensor(inverse_ptr, cute.make_layout((rows_c,)))
-        mWeights = cute.make_tensor(weights_ptr, cute.make_layout((rows_c,)))
         dtype = mA.element_type
         stages = self.num_stages
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -219,8 +206,7 @@ class MoeGemmSm90:
 
         self.storage = Storage
         self.kernel(
-            self.tiled_mma, tma_b0, gB0, tma_b1, gB1, mA, mC, mOffsets, mGather, mBias, mInverse, mWeights, topk,
-            sA_layout, sB_layout,
+            self.tiled_mma, tma_b0, gB0, tma_b1, gB1, mA, mC, mOffsets, mGather, mBias, sA_layout, sB_layout,
         ).launch(grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream, use_pdl=True)  # fmt: skip
 
     # ---- device side -----------------------------------------------------------------------------
@@ -293,9 +279,6 @@ class MoeGemmSm90:
         mOffsets: cute.Tensor,
         mGather: cute.Tensor,
         mBias: cute.Tensor,
-        mInverse: cute.Tensor,
-        mWeights: cute.Tensor,
-        topk: Int32,
         sA_layout: cute.ComposedLayout,
         sB_layout: cute.ComposedLayout,
     ):
@@ -464,50 +447,15 @@ class MoeGemmSm90:
                         pipe_a.consumer_release(release)
                         pipe_b.consumer_release(release)
                         release.advance()
-                    dest = cute.make_rmem_tensor((2,), Int32)
-                    scale = cute.make_rmem_tensor((2,), Float32)
-                    if const_expr(self.epi.router_weight):
-                        self._find_pairs(tCcC, mGather, mInverse, mWeights, topk, row0, rows_left, dest, scale)
-                    self._epilogue(
-                        acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, dest, scale, sEpi, sDest
-                    )
+                    self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest)
                     tile += grid
                 else:
                     e, base, e_tiles = self._next_expert(mOffsets, tile, e, base, e_tiles, n_tiles)
 
     @cute.jit
-    def _find_pairs(self, tCcC, mGather, mInverse, mWeights, topk, row0, rows_left, dest, scale):
-        """For the two rows this thread holds (fragment elements 0 and 2: rows m and m + 8 of the
-        m64 WGMMA accumulator), the pair index and router weight; dest = -1 past the expert's rows.
-        The k probes of inverse for both rows are unrolled PROBES at a time so their loads overlap:
-        one dependent load per loop step cost qwen3's GEMM2 ~14% at M = 8192 (bench/NOTES.md, v6)."""
-        # The accumulator is ((2 columns, 2 rows 8 apart, N/8 column blocks), 1, 1): element i is in
-        # row half (i // 2) % 2, which _epilogue relies on too.
-        frag = cute.shape(tCcC)
-        assert frag[0][0] == 2 and frag[0][1] == 2 and frag[1] == 1 and frag[2] == 1, frag
-        first = cute.make_rmem_tensor((2,), Int32)  # the row's token * k, or -1 past the expert
-        for h in cutlass.range_constexpr(2):
-            m = tCcC[2 * h][0]
-            dest[h] = -1
-            first[h] = -1
-            if m < rows_left:
-                first[h] = mGather[row0 + m] * topk
-        for j0 in range(0, topk, PROBES):
-            for jj in cutlass.range_constexpr(PROBES):
-                for h in cutlass.range_constexpr(2):
-                    if first[h] >= 0 and j0 + jj < topk:
-                        if mInverse[first[h] + j0 + jj] == row0 + tCcC[2 * h][0]:
-                            dest[h] = first[h] + j0 + jj
-        for h in cutlass.range_constexpr(2):
-            scale[h] = Float32(0.0)
-            if dest[h] >= 0:
-                scale[h] = mWeights[dest[h]]
-
-    @cute.jit
-    def _epilogue(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, dest, scale, sEpi, sDest):
+    def _epilogue(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, sEpi, sDest):
         """Apply the recipe's epilogue to this thread's accumulators and store its elements of rows
-        < rows_left and columns < n_out (row0 and col0: the tile's first output row and column).
-        With router_weight, dest and scale (from _find_pairs) give each row's pair and weight."""
+        < rows_left and columns < n_out (row0 and col0: the tile's first output row and column)."""
         epi = self.epi
         out_dtype = mC.element_type
         if const_expr(epi.gate_layout == "interleaved"):
@@ -523,7 +471,7 @@ class MoeGemmSm90:
                         u = u + mBias[e, 2 * col + 1].to(Float32)
                     mC[row0 + m, col] = _gated(epi.activation, g, u, epi.alpha, epi.limit).to(out_dtype)
         elif const_expr(self.staged):
-            self._store_staged(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, dest, scale, sEpi, sDest)
+            self._store_staged(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, sEpi, sDest)
         else:
             # Fragment elements 2j and 2j+1 are adjacent columns of one row: one 32-bit store each.
             pair = cute.make_rmem_tensor((2,), out_dtype)
@@ -533,13 +481,13 @@ class MoeGemmSm90:
                 col = col0 + n
                 # n_out is even (a multiple of 64), so col < n_out covers col + 1 too.
                 if m < rows_left and col < n_out:
-                    self._values(acc0, acc1, j, mBias, e, col, n_out, scale, pair)
+                    self._values(acc0, acc1, j, mBias, e, col, n_out, pair)
                     cute.copy(store, pair, cute.local_tile(mC[row0 + m, None], (2,), (col // 2,)))
 
     @cute.jit
-    def _values(self, acc0, acc1, j, mBias, e, col, n_out, scale, pair):
-        """pair[v] = the output dtype's value of fragment element 2j + v (column col + v): bias, the
-        activation ([gate; up] from acc0 and acc1, or relu2) and, with router_weight, the row's weight."""
+    def _values(self, acc0, acc1, j, mBias, e, col, n_out, pair):
+        """pair[v] = the output dtype's value of fragment element 2j + v (column col + v): bias and the
+        activation ([gate; up] from acc0 and acc1, or relu2)."""
         epi = self.epi
         for v in cutlass.range_constexpr(2):
             y = acc0[2 * j + v]
@@ -553,12 +501,10 @@ class MoeGemmSm90:
             elif const_expr(epi.activation == "relu2"):
                 y = cute.arch.fmax(y, Float32(0.0))
                 y = y * y
-            if const_expr(epi.router_weight):
-                y = y * scale[j % 2]  # element 2j is in row half j % 2 (see _find_pairs)
             pair[v] = y.to(pair.element_type)
 
     @cute.jit
-    def _store_staged(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, dest, scale, sEpi, sDest):
+    def _store_staged(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, sEpi, sDest):
         """The epilogue's stores staged through shared memory, 16 bytes wide and row-contiguous: each
         warp owns 16 rows (fragment elements 2j and 2j+1 are adjacent columns of the row half j % 2,
         rows 8 apart); per 64-column chunk it writes its values into its own padded [16, EPI_STRIDE]
@@ -574,11 +520,8 @@ class MoeGemmSm90:
             for h in cutlass.range_constexpr(2):
                 m = tCcC[2 * h][0]
                 sDest[m - row_base, warp] = -1
-                if const_expr(self.epi.router_weight):
-                    sDest[m - row_base, warp] = dest[h]
-                else:
-                    if m < rows_left:
-                        sDest[m - row_base, warp] = row0 + m
+                if m < rows_left:
+                    sDest[m - row_base, warp] = row0 + m
         pair = cute.make_rmem_tensor((2,), out_dtype)
         piece = cute.make_rmem_tensor((8,), out_dtype)
         store32 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
@@ -590,7 +533,7 @@ class MoeGemmSm90:
             if first_col < n_out:
                 for j in cutlass.range_constexpr(q * chunk // 4, (q + 1) * chunk // 4):
                     m, n = tCcC[2 * j]
-                    self._values(acc0, acc1, j, mBias, e, col0 + n, n_out, scale, pair)
+                    self._values(acc0, acc1, j, mBias, e, col0 + n, n_out, pair)
                     local = n - col_base - q * chunk
                     cute.copy(store32, pair, cute.local_tile(sEpi[m - row_base, None, warp], (2,), (local // 2,)))
                 cute.arch.sync_warp()

@@ -1,13 +1,15 @@
 """The per-token sum after GEMM2, in the CuTe DSL.
 
-    out[m, :] = sum_{j=0}^{k-1} y[m*k + j, :]     over the pairs that hold work (float32, then the output dtype)
+    out[m, :] = sum_{j=0}^{k-1} topk_weights[m, j] * y[inverse[m*k + j], :]
+                over the pairs that hold work (float32, then the output dtype)
 
-y is in pair order and already scaled by the router weights (moe_gemm.py's router-weight epilogue), so
-a token's k rows are adjacent. Deterministic: each thread owns one 16-byte chunk (8 bf16/fp16 values)
-of a token's row (grid: tokens x H / 1024) and adds that chunk of the k rows in the order j = 0..k-1,
-with no atomics, so the same inputs give bit-identical outputs run to run. A pair whose grouped row
-(inverse) is at or past offsets[E] (dropped by expert_map, or out of range) was never written by
-GEMM2; it contributes nothing and its row is never read. H must be a multiple of 8.
+y is GEMM2's output in grouped-row order (moe_gemm.py), unweighted: the router weight is applied here,
+so GEMM2's epilogue stores each row where it is instead of searching for its pair (that search cost
+GEMM2 6-15% at M = 8192; bench/NOTES.md, v9). Deterministic: each thread owns one 16-byte chunk (8
+bf16/fp16 values) of a token's row (grid: tokens x H / 1024) and adds that chunk of the k rows in the
+order j = 0..k-1, with no atomics, so the same inputs give bit-identical outputs run to run. A pair
+whose grouped row (inverse) is at or past offsets[E] (dropped by expert_map, or out of range) was
+never written by GEMM2; it contributes nothing and its row is never read. H must be a multiple of 8.
 """
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ class TokenSumSm90:
     @cute.jit
     def __call__(
         self,
-        y_ptr: cute.Pointer,  # (M * k, H) weighted rows in pair order
+        y_ptr: cute.Pointer,  # (M * k, H) GEMM2's rows in grouped-row order
         inverse_ptr: cute.Pointer,  # (M * k,) int32: the grouped row of each pair
+        weights_ptr: cute.Pointer,  # (M * k,) float32: the router weight of each pair
         offsets_ptr: cute.Pointer,  # (E + 1,) int32: offsets[E] = rows that hold work
         out_ptr: cute.Pointer,  # (M, H)
         m: Int32,
@@ -38,17 +41,18 @@ class TokenSumSm90:
         h = cute.assume(h, divby=VEC)
         mY = cute.make_tensor(y_ptr, cute.make_layout((m * k, h), stride=(h, 1)))
         mInv = cute.make_tensor(inverse_ptr, cute.make_layout((m * k,)))
+        mW = cute.make_tensor(weights_ptr, cute.make_layout((m * k,)))
         mOff = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
         mOut = cute.make_tensor(out_ptr, cute.make_layout((m, h), stride=(h, 1)))
         # One thread per 16-byte chunk of a token's row, so a small M still spreads over many SMs (one
         # CTA per token looping over H cost up to ~20 µs at M = 1, H = 7168).
         parts = (h // VEC + THREADS - 1) // THREADS
-        self.kernel(mY, mInv, mOff, mOut, k, num_experts).launch(
+        self.kernel(mY, mInv, mW, mOff, mOut, k, num_experts).launch(
             grid=[m, parts, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True
         )
 
     @cute.kernel
-    def kernel(self, mY: cute.Tensor, mInv: cute.Tensor, mOff: cute.Tensor, mOut: cute.Tensor, k: Int32, num_experts: Int32):
+    def kernel(self, mY: cute.Tensor, mInv: cute.Tensor, mW: cute.Tensor, mOff: cute.Tensor, mOut: cute.Tensor, k: Int32, num_experts: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         token, part, _ = cute.arch.block_idx()
         # Launched dependent on GEMM2 (PDL): wait for it before reading y.
@@ -65,6 +69,7 @@ class TokenSumSm90:
             for j0 in range(0, k, UNROLL):
                 # UNROLL rows' loads issued together, then added in the order j = 0..k-1.
                 use = cute.make_rmem_tensor((UNROLL,), Int32)
+                scale = cute.make_rmem_tensor((UNROLL,), Float32)
                 for jj in cutlass.range_constexpr(UNROLL):
                     j = j0 + jj
                     use[jj] = 0
@@ -72,9 +77,10 @@ class TokenSumSm90:
                         row = mInv[token * k + j]
                         if row >= 0 and row < valid_rows:
                             use[jj] = 1
-                            cute.copy(atom, cute.local_tile(mY[token * k + j, None], (VEC,), (c,)), frags[jj])
+                            scale[jj] = mW[token * k + j]
+                            cute.copy(atom, cute.local_tile(mY[row, None], (VEC,), (c,)), frags[jj])
                 for jj in cutlass.range_constexpr(UNROLL):
                     if use[jj] != 0:
-                        acc.store(acc.load() + frags[jj].load().to(Float32))
+                        acc.store(acc.load() + frags[jj].load().to(Float32) * scale[jj])
             res.store(acc.load().to(mOut.element_type))
             cute.copy(atom, res, cute.local_tile(mOut[token, None], (VEC,), (c,)))
