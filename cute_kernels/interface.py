@@ -11,6 +11,7 @@ down_reduce(a [P, I], w [E, H, I], bias [E, H] | None, offsets, gather [P], topk
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -35,6 +36,11 @@ _CUTLASS_DTYPE = {
 ALIGN = 64  # H and I must be multiples of this (the K tile; keeps every chunk and TMA box aligned)
 # B rows per tile the kernel may use, by gate layout, largest first (see choose_tiles).
 TILE_N = {"concat": (256, 128), "interleaved": (256, 128), "none": (256, 128, 64)}
+# ... and with 64-row tiles when few waves of tiles leave the last one part-empty (see choose_tiles).
+# 96 only for the gated layouts: their epilogue masks any column; GEMM2's staged stores need n_out
+# to be split into 32-column chunks.
+STREAM_TILE_N = {"concat": (256, 128, 96), "interleaved": (256, 128, 96), "none": (256, 128, 64)}
+FEW_WAVES = 2
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -49,17 +55,27 @@ def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int,
     - gated GEMM1: tile_n 256 from 64 rows per expert on (each gathered A tile then feeds more
       columns), else 128 (more tiles to spread few rows' weight streaming over the SMs);
     - otherwise the largest tile_n that still gives every SM two tiles: one wave leaves SMs idle
-      behind ragged experts, more small tiles re-read A."""
+      behind ragged experts, more small tiles re-read A;
+    - then, while streaming (tile_m 64) in fewer than FEW_WAVES waves of tiles, where the SMs of an
+      unfilled last wave are lost time: the STREAM_TILE_N option that leaves the least of the last
+      wave idle, if that is at least 0.1 of a wave less than the rule above leaves (largest tile_n on
+      ties). gpt-oss M = 1: GEMM1 180 tiles of 128 on 132 SMs (1.36 waves) -> 240 of 96 (1.82),
+      44.4 -> 41.5 µs alone; GEMM2 1.36 -> 0.70 waves, 32.2 -> 25.9 µs (bench/NOTES.md, v9)."""
     pairs = m * k
     tile_m = 64 if pairs < 64 * num_experts else 128
-    if gate_layout != "none":
-        return tile_m, (256 if pairs >= 64 * num_experts else 128)
     active = max(1, min(num_experts, pairs))
     m_tiles = active * _cdiv(_cdiv(pairs, active), tile_m)
-    for tile_n in TILE_N[gate_layout]:
-        if m_tiles * _cdiv(n_out, tile_n) >= 2 * sms:
-            return tile_m, tile_n
-    return tile_m, TILE_N[gate_layout][-1]
+    waves = lambda tile_n: m_tiles * _cdiv(n_out, tile_n) / sms  # noqa: E731
+    if gate_layout != "none":
+        tile_n = 256 if pairs >= 64 * num_experts else 128
+    else:
+        tile_n = next((n for n in TILE_N[gate_layout] if waves(n) >= 2), TILE_N[gate_layout][-1])
+    if tile_m == 64 and waves(tile_n) < FEW_WAVES:
+        idle = {n: math.ceil(waves(n)) - waves(n) for n in STREAM_TILE_N[gate_layout]}
+        least = min(idle.values())
+        if least <= idle.get(tile_n, 1.0) - 0.1:
+            tile_n = max(n for n, v in idle.items() if v == least)
+    return tile_m, tile_n
 
 
 @functools.lru_cache(maxsize=None)
@@ -218,9 +234,8 @@ def variants(dtype=torch.bfloat16, bias_dtypes=(None,)):
 
 
 def tile_shapes(gate_layout: str) -> list[tuple[int, int]]:
-    """The (tile_m, tile_n) choose_tiles can return for a layout: gated layouts use tile_n 128 with
-    64-row tiles."""
-    small = (128,) if gate_layout != "none" else TILE_N[gate_layout]
+    """The (tile_m, tile_n) choose_tiles can return for a layout."""
+    small = sorted({128, *STREAM_TILE_N[gate_layout]} if gate_layout != "none" else STREAM_TILE_N[gate_layout], reverse=True)
     return [(128, n) for n in TILE_N[gate_layout]] + [(64, n) for n in small]
 
 

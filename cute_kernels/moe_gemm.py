@@ -127,8 +127,8 @@ class MoeGemmSm90:
         self.tile_m = tile_m
         self.num_parts = 2 if epilogue.gate_layout == "concat" else 1
         self.part_n = tile_n // self.num_parts
-        if self.part_n not in (64, 128, 256):
-            raise ValueError(f"tile_n={tile_n} gives {self.part_n} rows per B part; allowed: 64, 128, 256")
+        if self.part_n not in (48, 64, 96, 128, 256):
+            raise ValueError(f"tile_n={tile_n} gives {self.part_n} rows per B part; allowed: 48, 64, 96, 128, 256")
         # Consumer warpgroups along (M, N): each runs m64 WGMMAs over its share of the columns.
         self.wg_grid = (2, 1) if tile_m == 128 else (1, 2)
         # Output columns per tile, and per consumer warpgroup.
