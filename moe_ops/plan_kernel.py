@@ -79,14 +79,19 @@ def _routing_plan_kernel(
     tl.store(gather_ptr + row, pair // k, mask=valid)
 
 
-def launch_config(num_pairs: int) -> tuple[int, int, int]:
-    """(BLOCK, SCAN, num_warps) for P pairs, from timings on an H200 (bench/NOTES.md, v5): the sort of
-    a block costs more than the histogram scan, so blocks stay at 1-2K pairs; the scan reads 8-16K
-    pairs per step."""
+def launch_config(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
+    """(BLOCK, SCAN, num_warps) for P pairs over E experts, from timings of the kernel alone on an
+    H200. Up to 1024 pairs, or with few experts (bins <= 64), one block per 1-2K pairs and 8-16K-pair
+    scan steps (bench/NOTES.md, v5). With many experts the histograms' cost grows with the bins, and
+    smaller blocks and scan steps with 8 warps halve the plan (v10): P = 8192, E = 128 39.2 -> 17.6 µs,
+    E = 256 53.3 -> 25.3; P = 65536, E = 128 91.4 -> 62.7; E = 256 134.7 -> 96.3 with 16 warps."""
     p2 = max(128, triton.next_power_of_2(num_pairs))
+    bins = triton.next_power_of_2(num_experts + 1)
+    if p2 <= 1024 or bins <= 64:
+        return (min(1024, p2), p2, 4) if p2 <= 8192 else (2048, 16384, 8)
     if p2 <= 8192:
-        return min(1024, p2), p2, 4
-    return 2048, 16384, 8
+        return 512, 2048, 8
+    return (512, 4096, 8) if bins <= 256 else (1024, 8192, 16)
 
 
 def routing_plan_triton(
@@ -95,7 +100,7 @@ def routing_plan_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """topk_ids [M, k] -> (expert_offsets int32 [E+1], gather_idx int32 [M*k], inverse int32 [M*k]).
 
-    block, scan, num_warps (powers of two; scan >= block) override launch_config(M*k); the tests use
+    block, scan, num_warps (powers of two; scan >= block) override launch_config(M*k, E); the tests use
     them to get many programs and scan steps from few pairs.
     """
     m, k = topk_ids.shape
@@ -104,7 +109,7 @@ def routing_plan_triton(
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
     gather = torch.empty(num_pairs, dtype=torch.int32, device=device)
     inverse = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    default_block, default_scan, default_warps = launch_config(num_pairs)
+    default_block, default_scan, default_warps = launch_config(num_pairs, num_experts)
     block = block or default_block
     bins = triton.next_power_of_2(num_experts + 1)
     grid = max(1, triton.cdiv(num_pairs, block))
