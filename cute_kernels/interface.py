@@ -36,7 +36,8 @@ _CUTLASS_DTYPE = {
 ALIGN = 64  # H and I must be multiples of this (the K tile; keeps every chunk and TMA box aligned)
 # B rows per tile the kernel may use, by gate layout, largest first (see choose_tiles).
 TILE_N = {"concat": (256, 128), "interleaved": (256, 128), "none": (256, 128, 64)}
-# ... and with 64-row tiles when few waves of tiles leave the last one part-empty (see choose_tiles).
+# B rows per 64-row tile: the rule's choices and, when few waves of tiles leave the last one
+# part-empty, the alternatives (see choose_tiles).
 # 96 only for the gated layouts: their epilogue masks any column; GEMM2's staged stores need n_out
 # to be split into 32-column chunks.
 STREAM_TILE_N = {"concat": (256, 128, 96), "interleaved": (256, 128, 96), "none": (256, 128, 64)}
@@ -73,7 +74,7 @@ def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int,
     if tile_m == 64 and waves(tile_n) < FEW_WAVES:
         idle = {n: math.ceil(waves(n)) - waves(n) for n in STREAM_TILE_N[gate_layout]}
         least = min(idle.values())
-        if least <= idle.get(tile_n, 1.0) - 0.1:
+        if least <= idle[tile_n] - 0.1:
             tile_n = max(n for n, v in idle.items() if v == least)
     return tile_m, tile_n
 
@@ -235,8 +236,7 @@ def variants(dtype=torch.bfloat16, bias_dtypes=(None,)):
 
 def tile_shapes(gate_layout: str) -> list[tuple[int, int]]:
     """The (tile_m, tile_n) choose_tiles can return for a layout."""
-    small = sorted({128, *STREAM_TILE_N[gate_layout]} if gate_layout != "none" else STREAM_TILE_N[gate_layout], reverse=True)
-    return [(128, n) for n in TILE_N[gate_layout]] + [(64, n) for n in small]
+    return [(128, n) for n in TILE_N[gate_layout]] + [(64, n) for n in STREAM_TILE_N[gate_layout]]
 
 
 def precompile(dtype=torch.bfloat16, sms: int | None = None, bias_dtypes=(None,)) -> dict[str, tuple[str, float]]:

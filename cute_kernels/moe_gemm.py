@@ -383,9 +383,7 @@ class MoeGemmSm90:
                             if const_expr(self.num_parts == 2):
                                 cute.copy(tma_b1, tBgB1[(None, n_tile, kt, e)], tBsB1[(None, state_b.index)], tma_bar_ptr=bar)
                         for i in cutlass.range_constexpr(rows_per_thread):
-                            # Rows past the expert are zero-filled (cp.async with source size 0)
-                            # rather than left holding an earlier stage's values: zeros cost the
-                            # tensor cores less energy, and the large-M points run power-capped.
+                            # Dead rows: cp.async with source size 0 (zero-fill; the module docstring).
                             live[0] = (dead >> i) & 1 == 0
                             g_chunk = cute.local_tile(mA[src[i], None], (8,), (kt * 8 + chunk,))
                             cute.copy(copy_atom, g_chunk, tAsA[(None, i, 0, state.index)], pred=live)
@@ -509,6 +507,10 @@ class MoeGemmSm90:
         warp owns 16 rows (fragment elements 2j and 2j+1 are adjacent columns of the row half j % 2,
         rows 8 apart); per 64-column chunk it writes its values into its own padded [16, EPI_STRIDE]
         buffer, then each lane stores 16-byte pieces of whole rows to their destination rows."""
+        # The accumulator is ((2 columns, 2 rows 8 apart, N/8 column blocks), 1, 1): element i is in
+        # row half (i // 2) % 2.
+        frag = cute.shape(tCcC)
+        assert frag[0][0] == 2 and frag[0][1] == 2 and frag[1] == 1 and frag[2] == 1, frag
         out_dtype = mC.element_type
         tidx, _, _ = cute.arch.thread_idx()
         warp = (tidx - 128) // 32
