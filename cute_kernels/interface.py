@@ -51,8 +51,8 @@ def _cdiv(a: int, b: int) -> int:
 def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int) -> tuple[int, int]:
     """(tile_m, tile_n) for M tokens routed to k of E experts (assumed spread evenly; a host-side
     shape rule, no data read), from bench/tile_sweep.py on an H200 (bench/NOTES.md, v2 and v3):
-    - tile_m 64 while an expert averages fewer than 64 rows (M*k/E < 64): weight streaming, where the
-      bytes in flight per SM set the speed and a smaller A tile leaves room for more stages;
+    - tile_m 64 while an expert averages fewer than 64 rows (M*k/E < 64): weight streaming, where a
+      smaller A tile leaves room for more stages (above ~6 stages the depth stops mattering; v9);
     - gated GEMM1: tile_n 256 from 64 rows per expert on (each gathered A tile then feeds more
       columns), else 128 (more tiles to spread few rows' weight streaming over the SMs);
     - otherwise the largest tile_n that still gives every SM two tiles: one wave leaves SMs idle
