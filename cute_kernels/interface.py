@@ -22,7 +22,7 @@ from cutlass import Int32  # noqa: E402
 from cutlass.cute import AddressSpace  # noqa: E402
 from cutlass.cute.runtime import make_ptr  # noqa: E402
 
-from .moe_gemm import Epilogue, MoeGemmSm90  # noqa: E402
+from .moe_gemm import MAX_EXPERTS, Epilogue, MoeGemmSm90  # noqa: E402
 from .token_sum import TokenSumSm90  # noqa: E402
 
 GATED = ("silu", "gelu", "gelu_tanh", "swigluoai")
@@ -93,8 +93,10 @@ def device_support(device: torch.device) -> tuple[bool, str]:
     return True, "sm_90"
 
 
-def _common(dtype, weight_dtype, hidden, intermediate, weight_row_major, quantized) -> str | None:
+def _common(dtype, weight_dtype, hidden, intermediate, num_experts, weight_row_major, quantized) -> str | None:
     """The reason shared by both GEMMs why the kernels cannot serve, or None."""
+    if num_experts > MAX_EXPERTS:
+        return f"{num_experts} local experts; the kernels keep the expert offsets in shared memory, for at most {MAX_EXPERTS}"
     if quantized:
         return "quantized schemes are not implemented in the CuTe DSL kernels yet (bf16/fp16 only)"
     if dtype not in (torch.bfloat16, torch.float16):
@@ -108,9 +110,9 @@ def _common(dtype, weight_dtype, hidden, intermediate, weight_row_major, quantiz
     return None
 
 
-def gate_up_support(*, dtype, weight_dtype, activation, gate_layout, has_bias, hidden, intermediate,
+def gate_up_support(*, dtype, weight_dtype, activation, gate_layout, has_bias, hidden, intermediate, num_experts,
                     weight_row_major=True, quantized=False) -> tuple[bool, str]:  # fmt: skip
-    why = _common(dtype, weight_dtype, hidden, intermediate, weight_row_major, quantized)
+    why = _common(dtype, weight_dtype, hidden, intermediate, num_experts, weight_row_major, quantized)
     if why is None and activation not in ACTIVATIONS:
         why = f"activation {activation!r} is not one of {ACTIVATIONS}"
     if why is None and (activation in GATED) != (gate_layout in ("concat", "interleaved")):
@@ -118,9 +120,9 @@ def gate_up_support(*, dtype, weight_dtype, activation, gate_layout, has_bias, h
     return (why is None), (why or "CuTe DSL grouped GEMM: gathered rows, TMA weights, WGMMA, fused activation")
 
 
-def down_reduce_support(*, dtype, weight_dtype, has_bias, hidden, intermediate,
+def down_reduce_support(*, dtype, weight_dtype, has_bias, hidden, intermediate, num_experts,
                         weight_row_major=True, quantized=False) -> tuple[bool, str]:  # fmt: skip
-    why = _common(dtype, weight_dtype, hidden, intermediate, weight_row_major, quantized)
+    why = _common(dtype, weight_dtype, hidden, intermediate, num_experts, weight_row_major, quantized)
     return (why is None), (why or "CuTe DSL grouped GEMM + deterministic weighted reduction")
 
 
@@ -162,6 +164,11 @@ def _token_sum(dtype):
     return cc.get(f"token_sum:{dtype}", lambda: (TokenSumSm90(), token_sum_compile_args(dtype)))
 
 
+def _check_experts(w: torch.Tensor) -> None:
+    if w.shape[0] > MAX_EXPERTS:
+        raise ValueError(f"w: {w.shape[0]} experts; the kernels serve at most {MAX_EXPERTS} (see down_reduce_support)")
+
+
 def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride):
     num_experts = offsets.shape[0] - 1
     fn(
@@ -179,6 +186,7 @@ def gate_up(
     """[P, I] = act(x[gather] @ w[e].T + bias[e]) per expert; see the module docstring. Rows of
     dropped pairs (at or past offsets[E]) are left unwritten. out: an optional [P, I] destination.
     tiles: (tile_m, tile_n) instead of choose_tiles' (for tile sweeps)."""
+    _check_experts(w)
     num_experts, n, hidden = w.shape
     inter = n // 2 if activation in GATED else n
     if out is None:
@@ -202,6 +210,7 @@ def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, ti
     """[M, H] = sum_j topk_weights[m, j] * (a[inverse[m*k+j]] @ w[e].T + bias[e]); see the module
     docstring. Every element of the output is written. out: an optional [M, H] destination.
     tiles: (tile_m, tile_n) instead of choose_tiles' (for tile sweeps)."""
+    _check_experts(w)
     num_experts, hidden, inter = w.shape
     m, k = topk_weights.shape
     if out is None:

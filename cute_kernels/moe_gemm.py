@@ -21,8 +21,9 @@ Structure (warp-specialised, persistent):
   tiles never write into the next expert's rows.
 - Every warpgroup walks the same sequence of work tiles: tile t = blockIdx.x, then + gridDim.x, ...;
   tiles are numbered expert by expert, and within an expert M-tile fastest, so CTAs running at the
-  same time share the expert's weight tile in L2. The walk reads the offsets as it goes, so experts
-  with no rows (and pairs dropped by expert_map, sorted past offsets[E]) cost nothing.
+  same time share the expert's weight tile in L2. The walk reads the offsets from a copy in shared
+  memory (loaded once per CTA, after the wait below), so experts with no rows (and pairs dropped by
+  expert_map, sorted past offsets[E]) cost nothing.
 
 Launch: programmatic dependent launch (PDL). The CTAs start, initialise their barriers and prefetch
 the TMA descriptors while the previous kernel (the routing plan, or GEMM1) finishes, then wait for it
@@ -56,6 +57,10 @@ EPI_COLS = 64
 EPI_STRIDE = 72
 EPI_WARPS = 8
 EPI_BYTES = EPI_WARPS * 16 * (EPI_STRIDE * 2 + 4)
+# The expert offsets live in shared memory for the tile walk (one round of loads per CTA instead of one
+# dependent round per 32 experts); the interface declines more local experts than this.
+MAX_EXPERTS = 1024
+OFFSETS_BYTES = 4 * (MAX_EXPERTS + 4)
 
 
 @dataclass(frozen=True)
@@ -138,7 +143,8 @@ class MoeGemmSm90:
         # staging buffers and barriers.
         stage_bytes = (self.tile_m + self.num_parts * self.part_n) * self.tile_k * 2
         epi_bytes = EPI_BYTES if self.staged else 0
-        self.num_stages = stages if stages is not None else min(12, (SMEM_CAPACITY - 4096 - epi_bytes) // stage_bytes)
+        free = SMEM_CAPACITY - 4096 - OFFSETS_BYTES - epi_bytes
+        self.num_stages = stages if stages is not None else min(12, free // stage_bytes)
 
     # ---- host side -------------------------------------------------------------------------------
 
@@ -203,6 +209,7 @@ class MoeGemmSm90:
             sB1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout) * (self.num_parts - 1) + 8], 1024]
             sEpi: cute.struct.Align[cute.struct.MemRange[mC.element_type, EPI_WARPS * 16 * EPI_STRIDE if self.staged else 8], 128]
             sDest: cute.struct.Align[cute.struct.MemRange[Int32, EPI_WARPS * 16 if self.staged else 4], 16]
+            sOffsets: cute.struct.Align[cute.struct.MemRange[Int32, MAX_EXPERTS + 4], 16]
 
         self.storage = Storage
         self.kernel(
@@ -212,27 +219,42 @@ class MoeGemmSm90:
     # ---- device side -----------------------------------------------------------------------------
 
     @cute.jit
-    def _expert_tiles(self, mOffsets: cute.Tensor, e: Int32, n_tiles: Int32) -> Int32:
-        rows = mOffsets[e + 1] - mOffsets[e]
+    def _load_offsets(self, mOffsets: cute.Tensor, sOff: cute.Tensor, num_experts: Int32):
+        """sOff[i] = mOffsets[i] for i <= num_experts (<= MAX_EXPERTS), by all threads of the CTA: every
+        load is issued before the first store, so the table costs one round trip to L2."""
+        tidx, _, _ = cute.arch.thread_idx()
+        rounds = (MAX_EXPERTS + 1 + self.threads - 1) // self.threads
+        vals = cute.make_rmem_tensor(rounds, Int32)
+        for j in cutlass.range_constexpr(rounds):
+            i = tidx + j * self.threads
+            if i <= num_experts:
+                vals[j] = mOffsets[i]
+        for j in cutlass.range_constexpr(rounds):
+            i = tidx + j * self.threads
+            if i <= num_experts:
+                sOff[i] = vals[j]
+
+    @cute.jit
+    def _expert_tiles(self, offs: cute.Tensor, e: Int32, n_tiles: Int32) -> Int32:
+        rows = offs[e + 1] - offs[e]
         return (rows + self.tile_m - 1) // self.tile_m * n_tiles
 
     @cute.jit
-    def _walk_start(self, mOffsets: cute.Tensor, n_tiles: Int32):
+    def _walk_start(self, offs: cute.Tensor, num_experts: Int32, n_tiles: Int32):
         """(tile, e, base, e_tiles) where every warpgroup starts the walk (module docstring): this
         CTA's first work tile and the expert e that holds it, whose e_tiles tiles start at base."""
         tile = cute.arch.block_idx()[0]
-        e, base, e_tiles = self._next_expert(mOffsets, tile, Int32(-1), Int32(0), Int32(0), n_tiles)
+        e, base, e_tiles = self._next_expert(offs, num_experts, tile, Int32(-1), Int32(0), Int32(0), n_tiles)
         return tile, e, base, e_tiles
 
     @cute.jit
-    def _next_expert(self, mOffsets: cute.Tensor, tile: Int32, e: Int32, base: Int32, e_tiles: Int32, n_tiles: Int32):
+    def _next_expert(self, offs: cute.Tensor, num_experts: Int32, tile: Int32, e: Int32, base: Int32, e_tiles: Int32, n_tiles: Int32):
         """(e, base, e_tiles) of the expert after e that holds `tile` (e >= E when none does), once
         tile lies past expert e's tiles. The 32 lanes of the warp count the tiles of 32 experts at once
         and find the expert by a prefix sum and a ballot: with many experts and few tokens most experts
-        are empty, and stepping through them one dependent load at a time cost every CTA microseconds
-        per GEMM before its first tile (bench/NOTES.md, v6). Every lane of the warp must call this with
-        the same arguments (the walk is uniform over the CTA)."""
-        num_experts = mOffsets.shape[0] - 1
+        are empty, and stepping through them one at a time cost every CTA microseconds per GEMM before
+        its first tile (bench/NOTES.md, v6). Every lane of the warp must call this with the same
+        arguments (the walk is uniform over the CTA). offs: the offsets (shared memory)."""
         lane = cute.arch.lane_idx()
         base = base + e_tiles
         e = e + 1
@@ -241,7 +263,7 @@ class MoeGemmSm90:
             mine = e + lane
             count = Int32(0)
             if mine < num_experts:
-                count = self._expert_tiles(mOffsets, mine, n_tiles)
+                count = self._expert_tiles(offs, mine, n_tiles)
             ends = count  # inclusive prefix sum of count over the lanes
             for s in cutlass.range_constexpr(5):
                 below = cute.arch.shuffle_sync_up(ends, 1 << s)
@@ -259,12 +281,12 @@ class MoeGemmSm90:
         return e, base, e_tiles
 
     @cute.jit
-    def _tile_coords(self, mOffsets: cute.Tensor, e: Int32, local: Int32, e_tiles: Int32, n_tiles: Int32):
+    def _tile_coords(self, offs: cute.Tensor, e: Int32, local: Int32, e_tiles: Int32, n_tiles: Int32):
         """(n_tile, first row, rows left in the expert) of expert e's local-th work tile. M-tiles vary
         fastest, so the CTAs working at the same time share the expert's weight tile in L2."""
         m_tiles = e_tiles // n_tiles
-        row0 = mOffsets[e] + local % m_tiles * self.tile_m
-        return local // m_tiles, row0, mOffsets[e + 1] - row0
+        row0 = offs[e] + local % m_tiles * self.tile_m
+        return local // m_tiles, row0, offs[e + 1] - row0
 
     @cute.kernel
     def kernel(
@@ -310,17 +332,13 @@ class MoeGemmSm90:
         )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        # Programmatic dependent launch (the module docstring): nothing above reads global memory; from
-        # here on the previous kernel's outputs are complete. Letting the next kernel launch now only
-        # queues its CTAs for the SMs this one frees.
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
 
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB0 = storage.sB0.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sB1 = sB0
         if const_expr(self.num_parts == 2):
             sB1 = storage.sB1.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        sOff = storage.sOffsets.get_tensor(cute.make_layout((MAX_EXPERTS + 1,)))
 
         num_experts = mOffsets.shape[0] - 1
         k_dim = mA.shape[1]
@@ -328,6 +346,13 @@ class MoeGemmSm90:
         k_tiles = (k_dim + self.tile_k - 1) // self.tile_k
         n_tiles = (n_out + self.out_n - 1) // self.out_n
         grid = cute.arch.grid_dim()[0]
+        # Programmatic dependent launch (the module docstring): nothing above reads global memory; from
+        # here on the previous kernel's outputs are complete. Letting the next kernel launch now only
+        # queues its CTAs for the SMs this one frees.
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        self._load_offsets(mOffsets, sOff, num_experts)
+        cute.arch.sync_threads()
 
         if wg_idx == 0:
             # ------------------------------- producer ---------------------------------------------
@@ -359,10 +384,10 @@ class MoeGemmSm90:
             # One predicate for the 8 elements of a 16-byte chunk (stride 0).
             live = cute.make_rmem_tensor(cute.make_layout(((8,), 1), stride=((0,), 0)), cutlass.Boolean)
 
-            tile, e, base, e_tiles = self._walk_start(mOffsets, n_tiles)
+            tile, e, base, e_tiles = self._walk_start(sOff, num_experts, n_tiles)
             while e < num_experts:
                 if tile < base + e_tiles:
-                    n_tile, row0, rows_left = self._tile_coords(mOffsets, e, tile - base, e_tiles, n_tiles)
+                    n_tile, row0, rows_left = self._tile_coords(sOff, e, tile - base, e_tiles, n_tiles)
                     dead = Int32(0)  # bit i: row i of this thread is past the expert (source row 0, zero-filled)
                     for i in cutlass.range_constexpr(rows_per_thread):
                         r = row_in + 16 * i
@@ -392,7 +417,7 @@ class MoeGemmSm90:
                         state_b.advance()
                     tile += grid
                 else:
-                    e, base, e_tiles = self._next_expert(mOffsets, tile, e, base, e_tiles, n_tiles)
+                    e, base, e_tiles = self._next_expert(sOff, num_experts, tile, e, base, e_tiles, n_tiles)
             pipe_a.producer_tail(state)
             if warp_idx == 0:
                 pipe_b.producer_tail(state_b)
@@ -414,10 +439,10 @@ class MoeGemmSm90:
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
 
-            tile, e, base, e_tiles = self._walk_start(mOffsets, n_tiles)
+            tile, e, base, e_tiles = self._walk_start(sOff, num_experts, n_tiles)
             while e < num_experts:
                 if tile < base + e_tiles:
-                    n_tile, row0, rows_left = self._tile_coords(mOffsets, e, tile - base, e_tiles, n_tiles)
+                    n_tile, row0, rows_left = self._tile_coords(sOff, e, tile - base, e_tiles, n_tiles)
 
                     acc0.fill(0.0)
                     if const_expr(self.num_parts == 2):
@@ -448,7 +473,7 @@ class MoeGemmSm90:
                     self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest)
                     tile += grid
                 else:
-                    e, base, e_tiles = self._next_expert(mOffsets, tile, e, base, e_tiles, n_tiles)
+                    e, base, e_tiles = self._next_expert(sOff, num_experts, tile, e, base, e_tiles, n_tiles)
 
     @cute.jit
     def _epilogue(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, sEpi, sDest):

@@ -20,7 +20,8 @@ from cutlass import Float32, Int32
 
 THREADS = 128
 VEC = 8
-UNROLL = 4  # rows of a token loaded together
+EARLY = 8  # pairs of a token whose row index and weight are read before the wait (top-k <= 8 is common)
+UNROLL = 4  # rows of a token loaded together past those
 
 
 class TokenSumSm90:
@@ -55,19 +56,38 @@ class TokenSumSm90:
     def kernel(self, mY: cute.Tensor, mInv: cute.Tensor, mW: cute.Tensor, mOff: cute.Tensor, mOut: cute.Tensor, k: Int32, num_experts: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         token, part, _ = cute.arch.block_idx()
-        # Launched dependent on GEMM2 (PDL): wait for it before reading y.
-        cute.arch.griddepcontrol_wait()
         h = mOut.shape[1]
+        # Launched dependent on GEMM2 (PDL), right after it, by the same call: GEMM2 lets this kernel
+        # launch only once the kernel before GEMM2 is complete, so the plan's offsets and inverse and
+        # the router weights (all older than GEMM2, which writes only y) are final already. Reading
+        # them before the wait takes two dependent round trips off the end of the layer; y is read
+        # only after it.
         valid_rows = mOff[num_experts]
+        rows = cute.make_rmem_tensor((EARLY,), Int32)
+        scales = cute.make_rmem_tensor((EARLY,), Float32)
+        for j in cutlass.range_constexpr(EARLY):
+            rows[j] = -1
+            if j < k:
+                rows[j] = mInv[token * k + j]
+                scales[j] = mW[token * k + j]
+        cute.arch.griddepcontrol_wait()
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mY.element_type, num_bits_per_copy=128)
-        frags = [cute.make_rmem_tensor((VEC,), mY.element_type) for _ in range(UNROLL)]
         res = cute.make_rmem_tensor((VEC,), mOut.element_type)
         c = part * THREADS + tidx
         if c < h // VEC:
             acc = cute.make_rmem_tensor((VEC,), Float32)
             acc.fill(0.0)
-            for j0 in range(0, k, UNROLL):
-                # UNROLL rows' loads issued together, then added in the order j = 0..k-1.
+            # The first EARLY pairs: their rows' loads issued together, then added in the order j = 0..
+            early = [cute.make_rmem_tensor((VEC,), mY.element_type) for _ in range(EARLY)]
+            for j in cutlass.range_constexpr(EARLY):
+                if rows[j] >= 0 and rows[j] < valid_rows:
+                    cute.copy(atom, cute.local_tile(mY[rows[j], None], (VEC,), (c,)), early[j])
+            for j in cutlass.range_constexpr(EARLY):
+                if rows[j] >= 0 and rows[j] < valid_rows:
+                    acc.store(acc.load() + early[j].load().to(Float32) * scales[j])
+            # Pairs past EARLY (k > EARLY), UNROLL rows' loads at a time, still in order.
+            frags = [cute.make_rmem_tensor((VEC,), mY.element_type) for _ in range(UNROLL)]
+            for j0 in range(EARLY, k, UNROLL):
                 use = cute.make_rmem_tensor((UNROLL,), Int32)
                 scale = cute.make_rmem_tensor((UNROLL,), Float32)
                 for jj in cutlass.range_constexpr(UNROLL):

@@ -70,7 +70,8 @@ _KERNELS = {"gate_up": _run_gate_up, "down_reduce": _run_down_reduce}
 def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
     common = dict(
         dtype=recipe["dtype"], weight_dtype=recipe["w_storage"], has_bias=recipe["has_bias"],
-        hidden=recipe["hidden"], intermediate=recipe["intermediate"], weight_row_major=recipe["w_row_major"],
+        hidden=recipe["hidden"], intermediate=recipe["intermediate"], num_experts=recipe["num_experts"],
+        weight_row_major=recipe["w_row_major"],
         quantized=recipe["quantized"],
     )  # fmt: skip
     if not recipe["contiguous"]:
@@ -108,7 +109,7 @@ def gate_up_recipe(args: dict) -> dict:
         has_bias=args["bias"] is not None, activation=args["activation"], alpha=float(args["alpha"]),
         limit=float(args["limit"]), interleaved=bool(args["interleaved"]),
         out_quant_dtype=args["out_quant_dtype"], out_quant_group=tuple(args["out_quant_group"]),
-        w_row_major=w.stride(2) == 1, hidden=args["x"].shape[1],
+        w_row_major=w.stride(2) == 1, hidden=args["x"].shape[1], num_experts=w.shape[0],
         intermediate=w.shape[1] // 2 if gated else w.shape[1],
         quantized=args["a_dtype"] != "none" or args["w_dtype"] != "none" or args["out_quant_dtype"] != "none",
         contiguous=_contiguous(args["x"], w, args["bias"], args["expert_offsets"], args["gather_idx"]),
@@ -121,6 +122,7 @@ def down_reduce_recipe(args: dict) -> dict:
         dtype=args["a"].dtype, w_storage=w.dtype, out_dtype=args["out_dtype"],
         a_dtype=args["a_dtype"], a_group=tuple(args["a_group"]), w_dtype=args["w_dtype"], w_group=tuple(args["w_group"]),
         has_bias=args["bias"] is not None, w_row_major=w.stride(2) == 1, hidden=w.shape[1], intermediate=args["a"].shape[1],
+        num_experts=w.shape[0],
         quantized=args["a_dtype"] != "none" or args["w_dtype"] != "none",
         router_weight_dtype=args["topk_weights"].dtype,
         contiguous=_contiguous(

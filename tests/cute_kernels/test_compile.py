@@ -104,7 +104,13 @@ def test_token_sum(dtype, tmp_path):
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "16-byte loads and stores"
     assert "atom." not in ptx and "red." not in ptx, "no atomics: the reduction is deterministic"
     assert ".local" not in ptx
-    _waits_before_global_access(ptx)
+    # Before the wait it may read the plan's and the router's outputs (older than GEMM2, 32-bit
+    # loads; see token_sum.py), never GEMM2's rows (16-byte loads) nor write anything.
+    body = ptx[ptx.index(".entry"):]
+    wait = body.index("griddepcontrol.wait")
+    assert "ld.global.b32" in body[:wait]
+    assert not any(0 <= body.find(op) < wait for op in ("ld.global.v4", "st.global", "atom.", "red."))
+    assert "ld.global.v4" in body[wait:]
     if shutil.which("ptxas"):
         _check_resources(_ptxas(ptx, tmp_path))
 
@@ -121,3 +127,21 @@ def test_disk_cache_round_trip(tmp_path, monkeypatch):
     monkeypatch.setattr(cc, "_memory", {})
     interface._gemm(epi, gather, torch.bfloat16, bias_dtype, 132, tile_m, tile_n)
     assert cc.timings[key][0] == "disk"
+
+
+def test_too_many_experts_declined():
+    """The offsets table in shared memory holds MAX_EXPERTS + 1 entries: more experts are declined with
+    the reason (the lowering then runs the reference), and a direct launch raises before any work."""
+    from cute_kernels.moe_gemm import MAX_EXPERTS
+
+    common = dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16, has_bias=False, hidden=128, intermediate=128)
+    assert interface.down_reduce_support(num_experts=MAX_EXPERTS, **common)[0]
+    ok, why = interface.down_reduce_support(num_experts=MAX_EXPERTS + 1, **common)
+    assert not ok and f"{MAX_EXPERTS + 1} local experts" in why
+    ok, why = interface.gate_up_support(activation="silu", gate_layout="concat", num_experts=MAX_EXPERTS + 1, **common)
+    assert not ok and f"at most {MAX_EXPERTS}" in why
+    w = torch.empty(MAX_EXPERTS + 1, 256, 128, dtype=torch.bfloat16)
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    offsets = torch.zeros(MAX_EXPERTS + 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=rf"w: {MAX_EXPERTS + 1} experts"):
+        interface.gate_up(x, w, None, offsets, torch.zeros(4, dtype=torch.int32), activation="silu", alpha=1.0, limit=7.0, gate_layout="concat")
