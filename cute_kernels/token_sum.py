@@ -77,16 +77,17 @@ class TokenSumSm90:
         if c < h // VEC:
             acc = cute.make_rmem_tensor((VEC,), Float32)
             acc.fill(0.0)
-            # The first EARLY pairs: their rows' loads issued together, then added in the order j = 0..
-            early = [cute.make_rmem_tensor((VEC,), mY.element_type) for _ in range(EARLY)]
-            for j in cutlass.range_constexpr(EARLY):
-                if rows[j] >= 0 and rows[j] < valid_rows:
-                    cute.copy(atom, cute.local_tile(mY[rows[j], None], (VEC,), (c,)), early[j])
-            for j in cutlass.range_constexpr(EARLY):
-                if rows[j] >= 0 and rows[j] < valid_rows:
-                    acc.store(acc.load() + early[j].load().to(Float32) * scales[j])
-            # Pairs past EARLY (k > EARLY), UNROLL rows' loads at a time, still in order.
+            # The first EARLY pairs, UNROLL rows' loads issued together (more in flight would cost
+            # registers, so occupancy, where the sum streams at large M), added in order j = 0..
             frags = [cute.make_rmem_tensor((VEC,), mY.element_type) for _ in range(UNROLL)]
+            for j0 in cutlass.range_constexpr(0, EARLY, UNROLL):
+                for jj in cutlass.range_constexpr(UNROLL):
+                    if rows[j0 + jj] >= 0 and rows[j0 + jj] < valid_rows:
+                        cute.copy(atom, cute.local_tile(mY[rows[j0 + jj], None], (VEC,), (c,)), frags[jj])
+                for jj in cutlass.range_constexpr(UNROLL):
+                    if rows[j0 + jj] >= 0 and rows[j0 + jj] < valid_rows:
+                        acc.store(acc.load() + frags[jj].load().to(Float32) * scales[j0 + jj])
+            # Pairs past EARLY (k > EARLY), likewise, still in order.
             for j0 in range(EARLY, k, UNROLL):
                 use = cute.make_rmem_tensor((UNROLL,), Int32)
                 scale = cute.make_rmem_tensor((UNROLL,), Float32)
