@@ -77,31 +77,32 @@ class TokenSumSm90:
         if c < h // VEC:
             acc = cute.make_rmem_tensor((VEC,), Float32)
             acc.fill(0.0)
-            # The first EARLY pairs, UNROLL rows' loads issued together (more in flight would cost
-            # registers, so occupancy, where the sum streams at large M), added in order j = 0..
+            # UNROLL rows' loads in flight at a time (more would cost registers, so occupancy, where
+            # the sum streams at large M), added in the order j = 0..k-1: first the EARLY pairs read
+            # above, then any past them (k > EARLY).
             frags = [cute.make_rmem_tensor((VEC,), mY.element_type) for _ in range(UNROLL)]
             for j0 in cutlass.range_constexpr(0, EARLY, UNROLL):
-                for jj in cutlass.range_constexpr(UNROLL):
-                    if rows[j0 + jj] >= 0 and rows[j0 + jj] < valid_rows:
-                        cute.copy(atom, cute.local_tile(mY[rows[j0 + jj], None], (VEC,), (c,)), frags[jj])
-                for jj in cutlass.range_constexpr(UNROLL):
-                    if rows[j0 + jj] >= 0 and rows[j0 + jj] < valid_rows:
-                        acc.store(acc.load() + frags[jj].load().to(Float32) * scales[j0 + jj])
-            # Pairs past EARLY (k > EARLY), likewise, still in order.
+                self._add_rows(mY, c, rows, scales, j0, valid_rows, frags, acc)
+            more_rows = cute.make_rmem_tensor((UNROLL,), Int32)
+            more_scales = cute.make_rmem_tensor((UNROLL,), Float32)
             for j0 in range(EARLY, k, UNROLL):
-                use = cute.make_rmem_tensor((UNROLL,), Int32)
-                scale = cute.make_rmem_tensor((UNROLL,), Float32)
                 for jj in cutlass.range_constexpr(UNROLL):
-                    j = j0 + jj
-                    use[jj] = 0
-                    if j < k:
-                        row = mInv[token * k + j]
-                        if row >= 0 and row < valid_rows:
-                            use[jj] = 1
-                            scale[jj] = mW[token * k + j]
-                            cute.copy(atom, cute.local_tile(mY[row, None], (VEC,), (c,)), frags[jj])
-                for jj in cutlass.range_constexpr(UNROLL):
-                    if use[jj] != 0:
-                        acc.store(acc.load() + frags[jj].load().to(Float32) * scale[jj])
+                    more_rows[jj] = -1
+                    if j0 + jj < k:
+                        more_rows[jj] = mInv[token * k + j0 + jj]
+                        more_scales[jj] = mW[token * k + j0 + jj]
+                self._add_rows(mY, c, more_rows, more_scales, 0, valid_rows, frags, acc)
             res.store(acc.load().to(mOut.element_type))
             cute.copy(atom, res, cute.local_tile(mOut[token, None], (VEC,), (c,)))
+
+    @cute.jit
+    def _add_rows(self, mY, c, rows, scales, first, valid_rows, frags, acc):
+        """acc += scales[j] * chunk c of row rows[j] of y, for j = first .. first + UNROLL - 1 in order,
+        skipping rows outside [0, valid_rows) (dropped pairs, or j >= k). All the loads come first."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mY.element_type, num_bits_per_copy=128)
+        for jj in cutlass.range_constexpr(UNROLL):
+            if rows[first + jj] >= 0 and rows[first + jj] < valid_rows:
+                cute.copy(atom, cute.local_tile(mY[rows[first + jj], None], (VEC,), (c,)), frags[jj])
+        for jj in cutlass.range_constexpr(UNROLL):
+            if rows[first + jj] >= 0 and rows[first + jj] < valid_rows:
+                acc.store(acc.load() + frags[jj].load().to(Float32) * scales[first + jj])

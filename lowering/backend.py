@@ -71,8 +71,7 @@ def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
     common = dict(
         dtype=recipe["dtype"], weight_dtype=recipe["w_storage"], has_bias=recipe["has_bias"],
         hidden=recipe["hidden"], intermediate=recipe["intermediate"], num_experts=recipe["num_experts"],
-        weight_row_major=recipe["w_row_major"],
-        quantized=recipe["quantized"],
+        weight_row_major=recipe["w_row_major"], quantized=recipe["quantized"],
     )  # fmt: skip
     if not recipe["contiguous"]:
         return False, "a non-contiguous input; the kernels take contiguous tensors"

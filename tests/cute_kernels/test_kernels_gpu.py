@@ -110,6 +110,13 @@ def test_experts_without_tokens(interface):
     check(interface, 5, 64, 2, 512, 256)
 
 
+@pytest.mark.parametrize("k", [9, 12, 13])
+def test_top_k_past_the_early_pairs(interface, k):
+    # The token sum reads the first 8 pairs of a token before its wait and the rest after it, 4 at a
+    # time: a partial last group (9, 13) and whole groups (12).
+    check(interface, 37, 16, k, 512, 256)
+
+
 def test_deterministic(interface):
     e, k, h, i, m = 32, 4, 1024, 512, 777
     w13, w2 = weights(e, h, i)
