@@ -57,11 +57,14 @@ def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int,
       columns), else 128 (more tiles to spread few rows' weight streaming over the SMs);
     - otherwise the largest tile_n that still gives every SM two tiles: one wave leaves SMs idle
       behind ragged experts, more small tiles re-read A;
-    - then, while streaming (tile_m 64) in fewer than FEW_WAVES waves of tiles, where the SMs of an
-      unfilled last wave are lost time: the STREAM_TILE_N option that leaves the least of the last
-      wave idle, if that is at least 0.1 of a wave less than the rule above leaves (largest tile_n on
-      ties). gpt-oss M = 1: GEMM1 180 tiles of 128 on 132 SMs (1.36 waves) -> 240 of 96 (1.82),
-      44.4 -> 41.5 µs alone; GEMM2 1.36 -> 0.70 waves, 32.2 -> 25.9 µs (bench/NOTES.md, v9)."""
+    - then, while streaming (tile_m 64) in fewer than FEW_WAVES waves: the STREAM_TILE_N option with
+      the least ceil(waves) x tile_n (the rows the busiest SM streams: an unfilled last wave is lost
+      time), the largest tile_n on ties (each tile adds a pipeline ramp and an epilogue).
+    "waves" is m_tiles x ceil(n_out / tile_n) / sms. For GEMM2 that is the kernel's tile count per
+    SM; for the gated GEMM1, whose tiles make tile_n / 2 output columns, it is half of it, and the
+    choices were measured against that count (GEMM1 and GEMM2 alone at M = 1 on an H200: kernel
+    durations, bench/NOTES.md v12, gpt-oss GEMM1 tile_n 128 -> 96, 41.4 -> 36.6 µs, qwen3 GEMM2
+    64 -> 128, 9.6 -> 7.5; CUDA-graph replays, v9, mixtral GEMM1 128 -> 256, 127.8 -> 118.3)."""
     pairs = m * k
     tile_m = 64 if pairs < 64 * num_experts else 128
     active = max(1, min(num_experts, pairs))
@@ -72,10 +75,7 @@ def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int,
     else:
         tile_n = next((n for n in TILE_N[gate_layout] if waves(n) >= 2), TILE_N[gate_layout][-1])
     if tile_m == 64 and waves(tile_n) < FEW_WAVES:
-        idle = {n: math.ceil(waves(n)) - waves(n) for n in STREAM_TILE_N[gate_layout]}
-        least = min(idle.values())
-        if least <= idle[tile_n] - 0.1:
-            tile_n = max(n for n, v in idle.items() if v == least)
+        tile_n = min(STREAM_TILE_N[gate_layout], key=lambda n: (math.ceil(waves(n)) * n, -n))
     return tile_m, tile_n
 
 

@@ -31,25 +31,25 @@ def _waves(layout, n_out, m, k, e, sms, tile):
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_few_waves_fill_the_last_wave(name):
-    # At M = 1 every shape streams weights (64-row tiles) in few waves of tiles; the rule switches to
-    # the tile_n whose last wave is fullest when that saves 0.1 of a wave, so no option leaves 0.1
-    # of a wave less idle than the choice.
+def test_few_waves_stream_the_fewest_rows(name):
+    # At M = 1 every shape streams weights (64-row tiles) in few waves of tiles; the rule takes the
+    # tile_n whose busiest SM streams the fewest weight rows (ceil(waves) x tile_n), the largest on ties.
     e, k, h, i = SHAPES[name]
     for layout, n_out in (("interleaved" if name.startswith("gpt-oss") else "concat", i), ("none", h)):
         tile = interface.choose_tiles(layout, n_out, 1, k, e, 132)
         assert tile[0] == 64
-        idle = lambda n: math.ceil(w := _waves(layout, n_out, 1, k, e, 132, (64, n))) - w  # noqa: E731
+        rows = lambda n: math.ceil(_waves(layout, n_out, 1, k, e, 132, (64, n))) * n  # noqa: E731
         if _waves(layout, n_out, 1, k, e, 132, tile) < interface.FEW_WAVES:
-            assert idle(tile[1]) < min(idle(n) for n in interface.STREAM_TILE_N[layout]) + 0.1
+            fewest = min(rows(n) for n in interface.STREAM_TILE_N[layout])
+            assert rows(tile[1]) == fewest
+            assert tile[1] == max(n for n in interface.STREAM_TILE_N[layout] if rows(n) == fewest)
 
 
 def test_measured_choices_at_one_token():
-    # bench/NOTES.md v9: GEMMs alone at M = 1 on an H200; the rule picks the faster tile here.
-    assert interface.choose_tiles("concat", 768, 1, 8, 128, 132) == (64, 96)  # qwen3: 18.2 vs 20.0 µs
-    # 0.03 against 0.06 of the last wave idle: not worth leaving the default (13.9 vs 15.8 µs alone,
-    # no difference measured in the layer's replay).
-    assert interface.choose_tiles("none", 2048, 1, 8, 128, 132) == (64, 64)
+    # GEMMs alone at M = 1 on an H200 (bench/NOTES.md v9, v12); the rule picks the faster tile here.
+    assert interface.choose_tiles("concat", 768, 1, 8, 128, 132) == (64, 96)  # qwen3: 13.9 vs 14.4 µs at 128
+    assert interface.choose_tiles("none", 2048, 1, 8, 128, 132) == (64, 128)  # qwen3: 7.5 vs 9.6 µs at 64
+    assert interface.choose_tiles("concat", 14336, 1, 2, 8, 132) == (64, 256)  # mixtral: 118.3 vs 127.8 at 128
     assert interface.choose_tiles("concat", 2048, 1, 8, 256, 132) == (64, 128)  # deepseek: 117.5 vs 119.6 at 256
-    assert interface.choose_tiles("interleaved", 2880, 1, 4, 128, 132) == (64, 96)  # gpt-oss: 41.5 vs 44.4 µs
-    assert interface.choose_tiles("none", 2880, 1, 4, 128, 132) == (64, 128)  # gpt-oss: 25.9 vs 32.2 µs
+    assert interface.choose_tiles("interleaved", 2880, 1, 4, 128, 132) == (64, 96)  # gpt-oss: 36.6 vs 41.4 µs at 128
+    assert interface.choose_tiles("none", 2880, 1, 4, 128, 132) == (64, 128)  # gpt-oss: 25.9 vs 32.2 µs at 64
