@@ -10,8 +10,8 @@ For each shape (E, top-k, H, I) and token count M, with uniform random routing a
 Median of many replays after warm-up, each timed alone (events around one replay, then a sync), so a
 replay also counts the host's graph launch: the "floor" (a graph of one tiny kernel, measured in the
 same run) is that cost, and "% SoL max" = SoL / (SoL + floor) is what a layer that streamed at the
-copy rate with no gap between kernels would reach. "launches" counts the kernels one call of our layer runs (the
-profiler, outside the graph). Writes results.md, results.json and results.png to
+copy rate with no gap between kernels would reach. "launches" counts the kernels one call of our
+layer runs (the profiler, outside the graph). Writes results.md, results.json and results.png to
 bench/results/<gpu-name>/ (or --out).
 """
 from __future__ import annotations
@@ -111,8 +111,9 @@ def kernel_launches(fn) -> list[str]:
 
 
 def replay_floor_us(replays: int = 50) -> float:
-    """graph_time_us of a graph of one tiny kernel: what a replay costs before any work (the host's
-    graph launch and the GPU's start of the graph; 9-19 µs on the lent H200 hosts, bench/NOTES.md v11-v12)."""
+    """The least of three graph_time_us medians of a graph of one tiny kernel: what a replay costs
+    before any work (the host's graph launch and the GPU's start of the graph; 9-19 µs on the lent
+    H200 hosts, bench/NOTES.md v11-v12). The least makes "% SoL max" an upper bound."""
     t = torch.zeros(4, device="cuda")
     return min(graph_time_us(lambda: t.add_(1), replays) for _ in range(3))
 
