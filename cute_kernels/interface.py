@@ -166,7 +166,7 @@ def _token_sum(dtype):
 
 def _check_experts(w: torch.Tensor) -> None:
     if w.shape[0] > MAX_EXPERTS:
-        raise ValueError(f"w: {w.shape[0]} experts; the kernels serve at most {MAX_EXPERTS} (see down_reduce_support)")
+        raise ValueError(f"w: {w.shape[0]} experts; the kernels serve at most {MAX_EXPERTS} (gate_up_support and down_reduce_support decline more)")
 
 
 def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride):
