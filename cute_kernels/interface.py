@@ -56,7 +56,9 @@ def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int,
     - gated GEMM1: tile_n 256 from 64 rows per expert on (each gathered A tile then feeds more
       columns), else 128 (more tiles to spread few rows' weight streaming over the SMs);
     - otherwise the largest tile_n that still gives every SM two tiles: one wave leaves SMs idle
-      behind ragged experts, more small tiles re-read A;
+      behind ragged experts, more small tiles re-read A; with 64-row tiles, among those the one
+      that pads n_out least (gpt-oss GEMM2 at M = 1024: 64 instead of 256, 1602 -> 1563 µs for the
+      layer in interleaved CUDA-graph replays, v14);
     - then, while streaming (tile_m 64) in fewer than FEW_WAVES waves: the STREAM_TILE_N option with
       the least ceil(waves) x tile_n (the rows the busiest SM streams: an unfilled last wave is lost
       time), the largest tile_n on ties (each tile adds a pipeline ramp and an epilogue).
@@ -73,7 +75,12 @@ def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int,
     if gate_layout != "none":
         tile_n = 256 if pairs >= 64 * num_experts else 128
     else:
-        tile_n = next((n for n in TILE_N[gate_layout] if waves(n) >= 2), TILE_N[gate_layout][-1])
+        fits = [n for n in TILE_N[gate_layout] if waves(n) >= 2] or [TILE_N[gate_layout][-1]]
+        tile_n = fits[0]
+        if tile_m == 64:
+            # Each weight column meets about one 64-row tile, so the columns a last partial N tile
+            # pads (gpt-oss: 2880 = 11.25 x 256) are MMAs for nothing (bench/NOTES.md, v14).
+            tile_n = min(fits, key=lambda n: (_cdiv(n_out, n) * n, -n))
     if tile_m == 64 and waves(tile_n) < FEW_WAVES:
         tile_n = min(STREAM_TILE_N[gate_layout], key=lambda n: (math.ceil(waves(n)) * n, -n))
     return tile_m, tile_n
