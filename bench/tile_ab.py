@@ -1,0 +1,86 @@
+"""python bench/tile_ab.py SHAPE M [LAYOUT:MxN ...]: the compiled layer with choose_tiles' choice and
+with each given tile forced for one GEMM (LAYOUT "none" is GEMM2; "concat" or "interleaved" is
+GEMM1), all captured as CUDA graphs in this one process and replayed in interleaved rounds, so the
+variants share the machine, its clocks and the memory layout (bench/NOTES.md v14, item 3).
+Prints the median and quartiles of each variant's replay times in µs.
+
+    python bench/tile_ab.py gpt-oss-120b 1024 none:64x256 none:64x128
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import lowering
+from cute_kernels import interface
+from moe_ops import fused_experts
+from moe_ops.bench import SHAPES, capture, expert_weights, layer_inputs
+
+
+def parse_variant(text: str) -> tuple[str, tuple[int, int]]:
+    layout, _, tile = text.partition(":")
+    tm, _, tn = tile.partition("x")
+    if layout not in interface.TILE_N or not (tm.isdigit() and tn.isdigit()):
+        raise argparse.ArgumentTypeError(f"variant {text!r}: expected LAYOUT:MxN with LAYOUT in {sorted(interface.TILE_N)}")
+    variant = (layout, (int(tm), int(tn)))
+    if variant[1] not in interface.tile_shapes(layout):
+        raise argparse.ArgumentTypeError(f"variant {text!r}: {layout} tiles are {interface.tile_shapes(layout)}")
+    return variant
+
+
+def replay_times(graphs: list[torch.cuda.CUDAGraph], rounds: int, per_round: int) -> list[list[float]]:
+    """µs of each timed replay, per graph; each round warms and times every graph in turn."""
+    times: list[list[float]] = [[] for _ in graphs]
+    for _ in range(rounds):
+        for g, out in zip(graphs, times):
+            for _ in range(3):
+                g.replay()
+            for _ in range(per_round):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                g.replay()
+                end.record()
+                end.synchronize()
+                out.append(start.elapsed_time(end) * 1e3)
+    return times
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("shape", choices=list(SHAPES))
+    parser.add_argument("tokens", type=int)
+    parser.add_argument("variants", nargs="*", type=parse_variant)
+    parser.add_argument("--rounds", type=int, default=12)
+    args = parser.parse_args(argv)
+    e, k, h, i = SHAPES[args.shape]
+    sms = interface.num_sms(0)
+    rule = interface.choose_tiles
+    print(torch.cuda.get_device_name(), torch.__version__, f"{args.shape} M={args.tokens}:",
+          "rule", rule("interleaved" if args.shape.startswith("gpt-oss") else "concat", i, args.tokens, k, e, sms),
+          rule("none", h, args.tokens, k, e, sms))
+    lowering.install()
+    w13, w2 = expert_weights(args.shape)
+    x, tw, ids = layer_inputs(args.shape, args.tokens)
+    layer = torch.compile(fused_experts, fullgraph=True, dynamic=True)
+    graphs = []
+    try:
+        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+            for variant in [None, *args.variants]:
+                # The custom ops ask choose_tiles at each call, so the forced tile is what gets captured.
+                def forced(layout, *rest, variant=variant):
+                    return variant[1] if variant is not None and layout == variant[0] else rule(layout, *rest)
+
+                interface.choose_tiles = forced
+                graphs.append(capture(lambda: layer(x, w13, w2, tw, ids)))
+    finally:
+        interface.choose_tiles = rule
+    for variant, t in zip([None, *args.variants], replay_times(graphs, args.rounds, 5)):
+        q1, _, q3 = statistics.quantiles(t, n=4)
+        name = "rule" if variant is None else f"{variant[0]}:{variant[1][0]}x{variant[1][1]}"
+        print(f"{name}: {statistics.median(t):.0f} µs (quartiles {q1:.0f}-{q3:.0f})")
+
+
+if __name__ == "__main__":
+    main()
