@@ -16,7 +16,7 @@ import torch
 import lowering
 from cute_kernels import interface
 from moe_ops import fused_experts
-from moe_ops.bench import SHAPES, capture, expert_weights, layer_inputs
+from moe_ops.bench import SHAPES, capture, expert_weights, layer_inputs, replay_times_us
 
 
 def parse_variant(text: str) -> tuple[str, tuple[int, int]]:
@@ -30,20 +30,12 @@ def parse_variant(text: str) -> tuple[str, tuple[int, int]]:
     return variant
 
 
-def replay_times(graphs: list[torch.cuda.CUDAGraph], rounds: int, per_round: int) -> list[list[float]]:
+def interleaved_times(graphs: list[torch.cuda.CUDAGraph], rounds: int, per_round: int) -> list[list[float]]:
     """µs of each timed replay, per graph; each round warms and times every graph in turn."""
     times: list[list[float]] = [[] for _ in graphs]
     for _ in range(rounds):
         for g, out in zip(graphs, times):
-            for _ in range(3):
-                g.replay()
-            for _ in range(per_round):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                g.replay()
-                end.record()
-                end.synchronize()
-                out.append(start.elapsed_time(end) * 1e3)
+            out.extend(replay_times_us(g, per_round, warmup=3))
     return times
 
 
@@ -76,7 +68,7 @@ def main(argv=None) -> None:
                 graphs.append(capture(lambda: layer(x, w13, w2, tw, ids)))
     finally:
         interface.choose_tiles = rule
-    for variant, t in zip([None, *args.variants], replay_times(graphs, args.rounds, 5)):
+    for variant, t in zip([None, *args.variants], interleaved_times(graphs, args.rounds, 5)):
         q1, _, q3 = statistics.quantiles(t, n=4)
         name = "rule" if variant is None else f"{variant[0]}:{variant[1][0]}x{variant[1][1]}"
         print(f"{name}: {statistics.median(t):.0f} µs (quartiles {q1:.0f}-{q3:.0f})")

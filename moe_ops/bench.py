@@ -68,9 +68,9 @@ def layer_inputs(name: str, m: int, device="cuda") -> tuple[torch.Tensor, torch.
     return x, topk_weights, topk_ids.to(torch.int32)
 
 
-def graph_time_us(fn, replays: int, warmup: int = 5) -> float:
-    """Median µs of one replay of a CUDA graph of fn() (captured after warm-up), timed with events."""
-    graph = capture(fn)
+def replay_times_us(graph: torch.cuda.CUDAGraph, replays: int, warmup: int = 5) -> list[float]:
+    """µs of each of `replays` replays of graph after `warmup` untimed ones, each timed alone
+    (events around one replay, then a sync)."""
     for _ in range(warmup):
         graph.replay()
     times = []
@@ -81,7 +81,12 @@ def graph_time_us(fn, replays: int, warmup: int = 5) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return times
+
+
+def graph_time_us(fn, replays: int, warmup: int = 5) -> float:
+    """Median µs of one replay of a CUDA graph of fn() (captured after warm-up), timed with events."""
+    return statistics.median(replay_times_us(capture(fn), replays, warmup))
 
 
 def kernel_durations(fn, calls: int) -> list[tuple[str, float]]:
