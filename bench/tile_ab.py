@@ -1,6 +1,6 @@
 """python bench/tile_ab.py SHAPE M [LAYOUT:MxN ...]: the compiled layer with choose_tiles' choice and
-with each given tile forced for one GEMM (LAYOUT "none" is GEMM2; "concat" or "interleaved" is
-GEMM1), all captured as CUDA graphs in this one process and replayed in interleaved rounds, so the
+with each given tile forced for one GEMM (LAYOUT "none" is GEMM2; GEMM1 is "concat" in the
+benchmark's SiLU layer, every shape), all captured as CUDA graphs in this one process and replayed in interleaved rounds, so the
 variants share the machine, its clocks and the memory layout (bench/NOTES.md v14, item 3).
 Prints the median and quartiles of each variant's replay times in µs.
 
@@ -46,28 +46,30 @@ def main(argv=None) -> None:
     parser.add_argument("variants", nargs="*", type=parse_variant)
     parser.add_argument("--rounds", type=int, default=12)
     args = parser.parse_args(argv)
-    e, k, h, i = SHAPES[args.shape]
-    sms = interface.num_sms(0)
-    rule = interface.choose_tiles
-    print(torch.cuda.get_device_name(), torch.__version__, f"{args.shape} M={args.tokens}:",
-          "rule", rule("interleaved" if args.shape.startswith("gpt-oss") else "concat", i, args.tokens, k, e, sms),
-          rule("none", h, args.tokens, k, e, sms))
     lowering.install()
     w13, w2 = expert_weights(args.shape)
     x, tw, ids = layer_inputs(args.shape, args.tokens)
     layer = torch.compile(fused_experts, fullgraph=True, dynamic=True)
-    graphs = []
+    rule = interface.choose_tiles
+    graphs, asked = [], []
     try:
         with torch.fx.experimental._config.patch(backed_size_oblivious=True):
             for variant in [None, *args.variants]:
+                seen: dict[str, tuple[int, int]] = {}
+
                 # The custom ops ask choose_tiles at each call, so the forced tile is what gets captured.
-                def forced(layout, *rest, variant=variant):
-                    return variant[1] if variant is not None and layout == variant[0] else rule(layout, *rest)
+                def forced(layout, *rest, variant=variant, seen=seen):
+                    seen[layout] = variant[1] if variant is not None and layout == variant[0] else rule(layout, *rest)
+                    return seen[layout]
 
                 interface.choose_tiles = forced
                 graphs.append(capture(lambda: layer(x, w13, w2, tw, ids)))
+                if variant is not None and variant[0] not in seen:
+                    raise SystemExit(f"variant {variant[0]}: the layer's GEMMs ask for the layouts {sorted(seen)}; it would time the rule")
+                asked.append(seen)
     finally:
         interface.choose_tiles = rule
+    print(torch.cuda.get_device_name(), torch.__version__, f"{args.shape} M={args.tokens}, rule: {asked[0]}")
     for variant, t in zip([None, *args.variants], interleaved_times(graphs, args.rounds, 5)):
         q1, _, q3 = statistics.quantiles(t, n=4)
         name = "rule" if variant is None else f"{variant[0]}:{variant[1][0]}x{variant[1][1]}"
