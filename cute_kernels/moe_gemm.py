@@ -8,13 +8,17 @@ rows stay in grouped-row order; the router weights are applied by the per-token 
 (token_sum.py), which finds each pair's row through inverse.
 
 Structure (warp-specialised, persistent):
-- warpgroup 0 produces: its 128 threads gather A rows with cp.async (16-byte chunks, any row order,
-  no gathered copy of the activations in memory) and one thread loads B (the expert's weights) with
-  TMA, into a ring of `stages` shared-memory buffers. A and B have one pipeline each (mbarriers;
-  cp.async completion arrives through cp.async.mbarrier.arrive, TMA through transaction bytes);
-  both advance in lockstep. Rows past the expert's end are zero-filled rather than loaded: the tile
-  multiplies them anyway, and zeros cost the tensor cores less energy where the GPU runs
-  power-capped (M = 8192: deepseek 8% faster; bench/NOTES.md, v9).
+- warpgroup 0 produces, into a ring of `stages` shared-memory buffers; one thread loads B (the
+  expert's weights) with TMA. GEMM1 gathers A: the warpgroup's 128 threads copy A rows with cp.async
+  (16-byte chunks, any row order, no gathered copy of the activations in memory), on a pipeline of
+  their own (completion arrives through cp.async.mbarrier.arrive, B's through TMA transaction
+  bytes; the two advance in lockstep), and rows past the expert's end are zero-filled rather than
+  loaded: the tile multiplies them anyway, and zeros cost the tensor cores less energy where the GPU
+  runs power-capped (M = 8192: deepseek 8% faster; bench/NOTES.md, v9). GEMM2's A rows are
+  contiguous: with 128-row tiles the same thread loads them with TMA too, on B's barrier (rows past
+  the expert are then the next expert's, or TMA's zeros past the end, multiplied and never stored);
+  at M = 8192 that GEMM2 ran 5-8% faster than with cp.async and zero-filled rows (bench/NOTES.md,
+  v15). With 64-row tiles (weight streaming) GEMM2 keeps the gather path with src(r) = r.
 - warpgroups 1 and 2 consume: with 128-row tiles each multiplies 64 of the rows, with 64-row tiles
   (experts with few rows) each takes half of the columns, with WGMMA (fp32 accumulators); then they
   run the epilogue and store their elements, masked to the rows of the current expert, so partial
@@ -126,6 +130,10 @@ class MoeGemmSm90:
             raise ValueError("producer and consumer register budgets exceed the 64K-register file")
         self.epi = epilogue
         self.gather = gather
+        # A by TMA: GEMM2 (contiguous rows) with 128-row tiles, see the module docstring. 64-row tiles
+        # (weight streaming) keep cp.async and zero-filled rows: there TMA measured no faster, and at
+        # qwen3 M = 1 2 µs slower (bench/NOTES.md, v15).
+        self.tma_a = not gather and tile_m == 128
         self.num_sms = num_sms
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m={tile_m}; allowed: 64, 128")
@@ -199,6 +207,10 @@ class MoeGemmSm90:
         tma_b0, gB0 = cpasync.make_tiled_tma_atom(tma_op, mB0, sB_one, (self.part_n, self.tile_k))
         tma_b1, gB1 = cpasync.make_tiled_tma_atom(tma_op, mB1, sB_one, (self.part_n, self.tile_k))
         self.b_bytes = self.num_parts * cute.size_in_bytes(dtype, sB_one)
+        # A (rows row0.. of GEMM2's own input) by TMA; the atom is built for every variant, used with tma_a.
+        sA_one = cute.slice_(sA_layout, (None, None, 0))
+        tma_a, gA = cpasync.make_tiled_tma_atom(tma_op, mA, sA_one, (self.tile_m, self.tile_k))
+        self.tma_bytes = self.b_bytes + (cute.size_in_bytes(dtype, sA_one) if self.tma_a else 0)
 
         @cute.struct
         class Storage:
@@ -213,7 +225,7 @@ class MoeGemmSm90:
 
         self.storage = Storage
         self.kernel(
-            self.tiled_mma, tma_b0, gB0, tma_b1, gB1, mA, mC, mOffsets, mGather, mBias, sA_layout, sB_layout,
+            self.tiled_mma, tma_a, gA, tma_b0, gB0, tma_b1, gB1, mA, mC, mOffsets, mGather, mBias, sA_layout, sB_layout,
         ).launch(grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream, use_pdl=True)  # fmt: skip
 
     # ---- device side -----------------------------------------------------------------------------
@@ -292,6 +304,8 @@ class MoeGemmSm90:
     def kernel(
         self,
         tiled_mma: cute.TiledMma,
+        tma_a: cute.CopyAtom,
+        gA_full: cute.Tensor,
         tma_b0: cute.CopyAtom,
         gB0_full: cute.Tensor,
         tma_b1: cute.CopyAtom,
@@ -308,28 +322,33 @@ class MoeGemmSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if warp_idx == 0:
+            if const_expr(self.tma_a):
+                cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b0)
             if const_expr(self.num_parts == 2):
                 cpasync.prefetch_descriptor(tma_b1)
 
         storage = SmemAllocator().allocate(self.storage)
         stages = self.num_stages
+        # B's pipeline; GEMM2's A tiles arrive on the same barriers.
         pipe_b = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.bar_b.data_ptr(),
             num_stages=stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs * 4),
-            tx_count=self.b_bytes,
+            tx_count=self.tma_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True,
         )
-        pipe_a = pipeline.PipelineCpAsync.create(
-            barrier_storage=storage.bar_a.data_ptr(),
-            num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_consumer_wgs),
-            defer_sync=True,
-        )
+        pipe_a = None
+        if const_expr(not self.tma_a):
+            pipe_a = pipeline.PipelineCpAsync.create(
+                barrier_storage=storage.bar_a.data_ptr(),
+                num_stages=stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_consumer_wgs),
+                defer_sync=True,
+            )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -366,61 +385,85 @@ class MoeGemmSm90:
             tBsB1, tBgB1 = cpasync.tma_partition(
                 tma_b1, 0, cute.make_layout(1), cute.group_modes(sB1, 0, 2), cute.group_modes(gB1, 0, 2)
             )
-            # A: each thread copies 16-byte chunk (tidx % 8) of rows tidx // 8 + 16 i, i < 8.
-            copy_atom = cute.make_copy_atom(
-                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), mA.element_type, num_bits_per_copy=128
-            )
-            tiled_copy = cute.make_tiled_copy_tv(
-                copy_atom, cute.make_layout((16, 8), stride=(8, 1)), cute.make_layout((1, 8))
-            )
-            thr_copy = tiled_copy.get_slice(tidx)
-            tAsA = thr_copy.partition_D(sA)  # ((8), 8, 1, stages)
-            chunk = tidx % 8
-            row_in = tidx // 8
-            rows_per_thread = self.tile_m // 16
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
             state_b = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-            src = cute.make_rmem_tensor(rows_per_thread, Int32)
-            # One predicate for the 8 elements of a 16-byte chunk (stride 0).
-            live = cute.make_rmem_tensor(cute.make_layout(((8,), 1), stride=((0,), 0)), cutlass.Boolean)
-
-            tile, e, base, e_tiles = self._walk_start(sOff, num_experts, n_tiles)
-            while e < num_experts:
-                if tile < base + e_tiles:
-                    n_tile, row0, rows_left = self._tile_coords(sOff, e, tile - base, e_tiles, n_tiles)
-                    dead = Int32(0)  # bit i: row i of this thread is past the expert (source row 0, zero-filled)
-                    for i in cutlass.range_constexpr(rows_per_thread):
-                        r = row_in + 16 * i
-                        src[i] = 0
-                        if r >= rows_left:
-                            dead = dead | (1 << i)
+            if const_expr(self.tma_a):
+                if warp_idx == 0:
+                    tile, e, base, e_tiles = self._walk_start(sOff, num_experts, n_tiles)
+                    while e < num_experts:
+                        if tile < base + e_tiles:
+                            n_tile, row0, rows_left = self._tile_coords(sOff, e, tile - base, e_tiles, n_tiles)
+                            # The tile's A rows start at row0, which need not be a multiple of tile_m.
+                            gA = cute.local_tile(cute.domain_offset((row0, 0), gA_full), (self.tile_m, self.tile_k), (0, None))
+                            tAsA, tAgA = cpasync.tma_partition(
+                                tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+                            )
+                            for kt in range(k_tiles):
+                                pipe_b.producer_acquire(state_b)
+                                bar = pipe_b.producer_get_barrier(state_b)
+                                cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state_b.index)], tma_bar_ptr=bar)
+                                cute.copy(tma_b0, tBgB0[(None, n_tile, kt, e)], tBsB0[(None, state_b.index)], tma_bar_ptr=bar)
+                                if const_expr(self.num_parts == 2):
+                                    cute.copy(tma_b1, tBgB1[(None, n_tile, kt, e)], tBsB1[(None, state_b.index)], tma_bar_ptr=bar)
+                                state_b.advance()
+                            tile += grid
                         else:
-                            if const_expr(self.gather):
-                                src[i] = mGather[row0 + r]
-                            else:
-                                src[i] = row0 + r
-                    for kt in range(k_tiles):
-                        pipe_a.producer_acquire(state)
-                        if warp_idx == 0:
-                            pipe_b.producer_acquire(state_b)
-                            bar = pipe_b.producer_get_barrier(state_b)
-                            cute.copy(tma_b0, tBgB0[(None, n_tile, kt, e)], tBsB0[(None, state_b.index)], tma_bar_ptr=bar)
-                            if const_expr(self.num_parts == 2):
-                                cute.copy(tma_b1, tBgB1[(None, n_tile, kt, e)], tBsB1[(None, state_b.index)], tma_bar_ptr=bar)
+                            e, base, e_tiles = self._next_expert(sOff, num_experts, tile, e, base, e_tiles, n_tiles)
+                    pipe_b.producer_tail(state_b)
+            else:
+                # A: each thread copies 16-byte chunk (tidx % 8) of rows tidx // 8 + 16 i, i < 8.
+                copy_atom = cute.make_copy_atom(
+                    cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), mA.element_type, num_bits_per_copy=128
+                )
+                tiled_copy = cute.make_tiled_copy_tv(
+                    copy_atom, cute.make_layout((16, 8), stride=(8, 1)), cute.make_layout((1, 8))
+                )
+                thr_copy = tiled_copy.get_slice(tidx)
+                tAsA = thr_copy.partition_D(sA)  # ((8), 8, 1, stages)
+                chunk = tidx % 8
+                row_in = tidx // 8
+                rows_per_thread = self.tile_m // 16
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+                src = cute.make_rmem_tensor(rows_per_thread, Int32)
+                # One predicate for the 8 elements of a 16-byte chunk (stride 0).
+                live = cute.make_rmem_tensor(cute.make_layout(((8,), 1), stride=((0,), 0)), cutlass.Boolean)
+
+                tile, e, base, e_tiles = self._walk_start(sOff, num_experts, n_tiles)
+                while e < num_experts:
+                    if tile < base + e_tiles:
+                        n_tile, row0, rows_left = self._tile_coords(sOff, e, tile - base, e_tiles, n_tiles)
+                        dead = Int32(0)  # bit i: row i of this thread is past the expert (source row 0, zero-filled)
                         for i in cutlass.range_constexpr(rows_per_thread):
-                            # Dead rows: cp.async with source size 0 (zero-fill; the module docstring).
-                            live[0] = (dead >> i) & 1 == 0
-                            g_chunk = cute.local_tile(mA[src[i], None], (8,), (kt * 8 + chunk,))
-                            cute.copy(copy_atom, g_chunk, tAsA[(None, i, 0, state.index)], pred=live)
-                        pipe_a.producer_commit(state)
-                        state.advance()
-                        state_b.advance()
-                    tile += grid
-                else:
-                    e, base, e_tiles = self._next_expert(sOff, num_experts, tile, e, base, e_tiles, n_tiles)
-            pipe_a.producer_tail(state)
-            if warp_idx == 0:
-                pipe_b.producer_tail(state_b)
+                            r = row_in + 16 * i
+                            src[i] = 0
+                            if r >= rows_left:
+                                dead = dead | (1 << i)
+                            else:
+                                if const_expr(self.gather):
+                                    src[i] = mGather[row0 + r]
+                                else:
+                                    src[i] = row0 + r
+                        for kt in range(k_tiles):
+                            pipe_a.producer_acquire(state)
+                            if warp_idx == 0:
+                                pipe_b.producer_acquire(state_b)
+                                bar = pipe_b.producer_get_barrier(state_b)
+                                cute.copy(tma_b0, tBgB0[(None, n_tile, kt, e)], tBsB0[(None, state_b.index)], tma_bar_ptr=bar)
+                                if const_expr(self.num_parts == 2):
+                                    cute.copy(tma_b1, tBgB1[(None, n_tile, kt, e)], tBsB1[(None, state_b.index)], tma_bar_ptr=bar)
+                            for i in cutlass.range_constexpr(rows_per_thread):
+                                # Dead rows: cp.async with source size 0 (zero-fill; the module docstring).
+                                live[0] = (dead >> i) & 1 == 0
+                                g_chunk = cute.local_tile(mA[src[i], None], (8,), (kt * 8 + chunk,))
+                                cute.copy(copy_atom, g_chunk, tAsA[(None, i, 0, state.index)], pred=live)
+                            pipe_a.producer_commit(state)
+                            state.advance()
+                            state_b.advance()
+                        tile += grid
+                    else:
+                        e, base, e_tiles = self._next_expert(sOff, num_experts, tile, e, base, e_tiles, n_tiles)
+                pipe_a.producer_tail(state)
+                if warp_idx == 0:
+                    pipe_b.producer_tail(state_b)
         else:
             # ------------------------------- consumers --------------------------------------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -450,7 +493,8 @@ class MoeGemmSm90:
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.fence()
                     for kt in range(k_tiles):
-                        pipe_a.consumer_wait(read)
+                        if const_expr(not self.tma_a):
+                            pipe_a.consumer_wait(read)
                         pipe_b.consumer_wait(read)
                         for kb in cutlass.range_constexpr(num_k_blocks):
                             coord = (None, None, kb, read.index)
@@ -461,13 +505,15 @@ class MoeGemmSm90:
                         # Keep one k-tile of WGMMAs in flight; free the buffer of the one before it.
                         warpgroup.wait_group(1)
                         if kt > 0:
-                            pipe_a.consumer_release(release)
+                            if const_expr(not self.tma_a):
+                                pipe_a.consumer_release(release)
                             pipe_b.consumer_release(release)
                             release.advance()
                         read.advance()
                     warpgroup.wait_group(0)
                     if k_tiles > 0:
-                        pipe_a.consumer_release(release)
+                        if const_expr(not self.tma_a):
+                            pipe_a.consumer_release(release)
                         pipe_b.consumer_release(release)
                         release.advance()
                     self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest)

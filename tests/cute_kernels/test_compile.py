@@ -1,8 +1,9 @@
 """Every kernel variant the fused ops can request compiles for sm_90a on this (CPU-only) machine, and
 its generated code has the facts the design relies on: WGMMA for the GEMMs, TMA
-(cp.async.bulk.tensor) for the weights, cp.async for the gathered rows, no local memory or spills
-(ptxas -v for sm_90a), shared memory within the 227 KB an sm_90 block may use, and no global memory
-access before griddepcontrol.wait (they launch as programmatic dependents)."""
+(cp.async.bulk.tensor) for the weights and for GEMM2's rows in 128-row tiles, cp.async for the
+other rows, no local memory or spills (ptxas -v for sm_90a), shared memory within the 227 KB an
+sm_90 block may use, and no global memory access before griddepcontrol.wait (they launch as
+programmatic dependents)."""
 from __future__ import annotations
 
 import os
@@ -78,13 +79,19 @@ def test_moe_gemm_variant(variant, tmp_path):
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(bf16|f16)", ptx)
     assert wgmma and {n for n, _ in wgmma} == {str(kernel.part_n // kernel.wg_grid[1])}
     assert "wgmma.fence" in ptx and "wgmma.commit_group" in ptx and "wgmma.wait_group" in ptx
-    # Weights by TMA, rows by 16-byte cp.async completing on an mbarrier.
-    # (the compiler may duplicate the load loop's body, so count per part)
+    # Weights by TMA (the compiler may duplicate the load loop's body, so count per part).
     tma = ptx.count("cp.async.bulk.tensor.3d.shared::cta.global")
     assert tma >= kernel.num_parts and tma % kernel.num_parts == 0
-    assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
-    # Rows past the expert are zero-filled: the cp.async takes a source size (16 or 0) from a register.
-    assert re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", ptx)
+    if not kernel.tma_a:
+        # Rows by 16-byte cp.async completing on an mbarrier; rows past the expert are zero-filled:
+        # the cp.async takes a source size (16 or 0) from a register.
+        assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+        assert re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", ptx)
+        assert "cp.async.bulk.tensor.2d" not in ptx
+    else:
+        # GEMM2's contiguous rows in 128-row tiles by TMA (2-D: rows x K), on the weights' barrier.
+        assert "cp.async.bulk.tensor.2d.shared::cta.global" in ptx
+        assert "cp.async.cg" not in ptx and "cp.async.mbarrier" not in ptx
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     if not gather:
         # GEMM2's epilogue stages rows through shared memory and stores them 16 bytes at a time.
