@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 
 @triton.jit
@@ -35,8 +36,15 @@ def _keys(ids_ptr, map_ptr, offs, mask, num_experts, num_global, HAS_MAP: tl.con
 def _routing_plan_kernel(
     ids_ptr, map_ptr, offsets_ptr, gather_ptr, inverse_ptr, scratch_ptr,
     num_pairs, k, num_experts, num_global,
-    HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr, SCAN: tl.constexpr,
+    HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr, SCAN: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
 ):  # fmt: skip
+    if EARLY_LAUNCH:
+        # The GEMM after the plan is a programmatic dependent launch: letting it launch now starts its
+        # CTAs (barrier setup, descriptor prefetch) on the SMs this one program leaves free; they wait
+        # for the plan's completion before reading anything it writes (griddepcontrol.wait), so this
+        # promises nothing. Small M only: 0.5-1.8 µs off the layer at M = 1 (bench/NOTES.md, v16);
+        # with a grid of many programs nothing was gained and deepseek M = 8192 read 2-3% slower.
+        gdc_launch_dependents()
     block = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     total = tl.zeros((BINS,), dtype=tl.int32)
@@ -120,6 +128,6 @@ def routing_plan_triton(
         ids, emap, offsets, gather, inverse, scratch,
         num_pairs, k, num_experts, emap.shape[0] if expert_map is not None else 0,
         HAS_MAP=expert_map is not None, BLOCK=block, BINS=bins, SCAN=max(scan or default_scan, block),
-        num_warps=num_warps or default_warps,
+        EARLY_LAUNCH=grid == 1, num_warps=num_warps or default_warps,
     )  # fmt: skip
     return offsets, gather, inverse
