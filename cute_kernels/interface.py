@@ -157,11 +157,11 @@ def token_sum_compile_args(dtype) -> tuple:
     return (*ptrs, *[Int32(8)] * 4, cc.fake_stream())
 
 
-def _gemm(epilogue: Epilogue, gather: bool, a_dtype, bias_dtype, sms: int, tile_m: int = 128, tile_n: int = 256):
-    key = f"moe_gemm:{epilogue}:gather={gather}:{a_dtype}:{bias_dtype}:tile={tile_m}x{tile_n}:sms={sms}"
+def _gemm(epilogue: Epilogue, gather: bool, a_dtype, bias_dtype, sms: int, tile_m: int = 128, tile_n: int = 256, early: bool = False):
+    key = f"moe_gemm:{epilogue}:gather={gather}:{a_dtype}:{bias_dtype}:tile={tile_m}x{tile_n}:sms={sms}" + (":early" if early else "")
 
     def build():
-        kernel = MoeGemmSm90(epilogue, tile_n=tile_n, tile_m=tile_m, gather=gather, num_sms=sms)
+        kernel = MoeGemmSm90(epilogue, tile_n=tile_n, tile_m=tile_m, gather=gather, num_sms=sms, early_weights=early)
         return kernel, gemm_compile_args(a_dtype, bias_dtype)
 
     return cc.get(key, build)
@@ -213,10 +213,13 @@ def gate_up(
     return out
 
 
-def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, tiles=None):
+def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, tiles=None, weights_early=False):
     """[M, H] = sum_j topk_weights[m, j] * (a[inverse[m*k+j]] @ w[e].T + bias[e]); see the module
     docstring. Every element of the output is written. out: an optional [M, H] destination.
-    tiles: (tile_m, tile_n) instead of choose_tiles' (for tile sweeps)."""
+    tiles: (tile_m, tile_n) instead of choose_tiles' (for tile sweeps).
+    weights_early: the GEMM reads `offsets` and starts loading `w` before waiting for the kernel
+    launched just before it on the stream (MoeGemmSm90.early_weights). Only when that kernel writes
+    neither and started after both were written, as gate_up over the same plan does."""
     _check_experts(w)
     num_experts, hidden, inter = w.shape
     m, k = topk_weights.shape
@@ -228,7 +231,7 @@ def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, ti
     epi = Epilogue("none", "none", has_bias=bias is not None)
     sms = num_sms(a.device.index)
     tiles = tiles or choose_tiles("none", hidden, m, k, num_experts, sms)
-    fn = _gemm(epi, False, a.dtype, bias.dtype if bias is not None else a.dtype, sms, *tiles)
+    fn = _gemm(epi, False, a.dtype, bias.dtype if bias is not None else a.dtype, sms, *tiles, early=bool(weights_early))
     _launch_gemm(fn, a, (w, w), y, offsets, gather, bias, hidden, hidden * inter)
     _token_sum(a.dtype)(
         _ptr(y), _ptr(inverse), _ptr(topk_weights), _ptr(offsets), _ptr(out), Int32(m), Int32(k), Int32(hidden), Int32(num_experts), _stream(a.device),
@@ -237,16 +240,16 @@ def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, ti
 
 
 def variants(dtype=torch.bfloat16, bias_dtypes=(None,)):
-    """Every (epilogue, gather, bias dtype, tile_m, tile_n) the fused ops can request (see choose_tiles)
-    for activations in `dtype`."""
+    """Every (epilogue, gather, bias dtype, tile_m, tile_n, early weights) the fused ops can request
+    (see choose_tiles) for activations in `dtype`."""
     out = []
     for bias in bias_dtypes:
         gemm2 = Epilogue("none", "none", has_bias=bias is not None)
         for act in ACTIVATIONS:
             for layout in (("concat", "interleaved") if act in GATED else ("none",)):
                 epi = Epilogue(act, layout, has_bias=bias is not None)
-                out += [(epi, True, bias or dtype, *tiles) for tiles in tile_shapes(layout)]
-        out += [(gemm2, False, bias or dtype, *tiles) for tiles in tile_shapes("none")]
+                out += [(epi, True, bias or dtype, *tiles, False) for tiles in tile_shapes(layout)]
+        out += [(gemm2, False, bias or dtype, *tiles, early) for tiles in tile_shapes("none") for early in (True, False)]
     return out
 
 
@@ -260,7 +263,7 @@ def precompile(dtype=torch.bfloat16, sms: int | None = None, bias_dtypes=(None,)
     GPU with `sms` multiprocessors (default: the current device's). Works without a GPU when sms is
     given. Returns {key: (compile or disk, seconds)}."""
     sms = sms if sms is not None else num_sms(torch.cuda.current_device())
-    for epi, gather, bias_dtype, tile_m, tile_n in variants(dtype, bias_dtypes):
-        _gemm(epi, gather, dtype, bias_dtype, sms, tile_m, tile_n)
+    for epi, gather, bias_dtype, tile_m, tile_n, early in variants(dtype, bias_dtypes):
+        _gemm(epi, gather, dtype, bias_dtype, sms, tile_m, tile_n, early)
     _token_sum(dtype)
     return dict(cc.timings)

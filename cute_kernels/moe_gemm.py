@@ -32,7 +32,10 @@ Structure (warp-specialised, persistent):
 Launch: programmatic dependent launch (PDL). The CTAs start, initialise their barriers and prefetch
 the TMA descriptors while the previous kernel (the routing plan, or GEMM1) finishes, then wait for it
 (griddepcontrol.wait) before reading any global memory; in a CUDA graph of the layer this hides most
-of the gap between kernels, which weighs at small M (bench/NOTES.md, v8).
+of the gap between kernels, which weighs at small M (bench/NOTES.md, v8). With early_weights (GEMM2
+right after GEMM1) it reads the offsets and starts the TMA of its first tile's weights before the
+wait, as GEMM1 writes neither: at small M, where that tile is a CTA's whole job, its weights then
+stream while GEMM1 finishes (qwen3 M=1 layer 34.0 -> 32.4 µs, bench/NOTES.md v16).
 
 B parts: a gated activation with w13 = [gate; up] loads the gate rows and the up rows of the same
 output columns as two parts with two accumulators, so the epilogue combines act(gate) * up within
@@ -120,8 +123,9 @@ class MoeGemmSm90:
     consumer_regs = 224
 
     def __init__(
-        self, epilogue: Epilogue, *, tile_n: int = 256, tile_m: int = 128, gather: bool, num_sms: int = 132, stages: int | None = None
-    ):
+        self, epilogue: Epilogue, *, tile_n: int = 256, tile_m: int = 128, gather: bool, num_sms: int = 132, stages: int | None = None,
+        early_weights: bool = False,
+    ):  # fmt: skip
         # Epilogue stores staged through shared memory (16-byte, row-contiguous) for GEMM2 (no gather)
         # only. Same-run A/B on an H200 (bench/NOTES.md, v2): GEMM2 at M = 8192 10-18% faster; GEMM1
         # mixed (-8% to +10%).
@@ -134,6 +138,12 @@ class MoeGemmSm90:
         # (weight streaming) keep cp.async and zero-filled rows: there TMA measured no faster, and at
         # qwen3 M = 1 2 µs slower (bench/NOTES.md, v15).
         self.tma_a = not gather and tile_m == 128
+        # early_weights: the producer starts loading the first tile's weights (and every thread reads the
+        # offsets) before waiting for the previous kernel, which must then have written neither (GEMM2
+        # after GEMM1; see kernel()). Only without gather: GEMM1's previous kernel is the routing plan.
+        if early_weights and gather:
+            raise ValueError("early_weights=True with gather=True: GEMM1 needs the routing plan's offsets before loading weights")
+        self.early_b = early_weights
         self.num_sms = num_sms
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m={tile_m}; allowed: 64, 128")
@@ -240,11 +250,36 @@ class MoeGemmSm90:
         for j in cutlass.range_constexpr(rounds):
             i = tidx + j * self.threads
             if i <= num_experts:
-                vals[j] = mOffsets[i]
+                vals[j] = cute.arch.load(mOffsets.iterator + i, Int32, cop="cg")
         for j in cutlass.range_constexpr(rounds):
             i = tidx + j * self.threads
             if i <= num_experts:
                 sOff[i] = vals[j]
+
+    @cute.jit
+    def _load_weights(self, tma_b0, tBgB0, tBsB0, tma_b1, tBgB1, tBsB1, n_tile, kt, e, index, bar):
+        """TMA of k-tile kt of expert e's weight tile n_tile (every B part) into stage `index`."""
+        cute.copy(tma_b0, tBgB0[(None, n_tile, kt, e)], tBsB0[(None, index)], tma_bar_ptr=bar)
+        if const_expr(self.num_parts == 2):
+            cute.copy(tma_b1, tBgB1[(None, n_tile, kt, e)], tBsB1[(None, index)], tma_bar_ptr=bar)
+
+    @cute.jit
+    def _early_weights(self, pipe_b, tma_b0, tBgB0, tBsB0, tma_b1, tBgB1, tBsB1, sOff, num_experts, n_tiles, k_tiles) -> Int32:
+        """Start the TMA of the weights of this CTA's first tile into the ring's first stages, before
+        the wait for the previous kernel (GEMM2, early_b): at small M a CTA's whole job is one tile,
+        and its weights then stream while GEMM1 finishes. Returns how many k-tiles were started (the
+        producer loop skips their weights; their barriers still count A's bytes). Warp 0 only."""
+        tile, e, base, e_tiles = self._walk_start(sOff, num_experts, n_tiles)
+        early = Int32(0)
+        if e < num_experts:
+            n_tile, _, _ = self._tile_coords(sOff, e, tile - base, e_tiles, n_tiles)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            early = cutlass.min(k_tiles, self.num_stages)
+            for kt in range(early):
+                pipe_b.producer_acquire(state)
+                self._load_weights(tma_b0, tBgB0, tBsB0, tma_b1, tBgB1, tBsB1, n_tile, kt, e, state.index, pipe_b.producer_get_barrier(state))
+                state.advance()
+        return early
 
     @cute.jit
     def _expert_tiles(self, offs: cute.Tensor, e: Int32, n_tiles: Int32) -> Int32:
@@ -365,11 +400,15 @@ class MoeGemmSm90:
         k_tiles = (k_dim + self.tile_k - 1) // self.tile_k
         n_tiles = (n_out + self.out_n - 1) // self.out_n
         grid = cute.arch.grid_dim()[0]
-        # Programmatic dependent launch (the module docstring): nothing above reads global memory; from
-        # here on the previous kernel's outputs are complete. Letting the next kernel launch now only
-        # queues its CTAs for the SMs this one frees.
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
+        # Programmatic dependent launch (the module docstring): nothing above reads global memory; after
+        # griddepcontrol.wait the previous kernel's outputs are complete. Letting the next kernel launch
+        # then only queues its CTAs for the SMs this one frees.
+        # With early_b (GEMM2 after GEMM1) the offsets are read before the wait: the routing plan wrote
+        # them, and it completed before GEMM1 passed its own wait, which precedes GEMM1's launch of this
+        # kernel. The loads bypass L1, which may hold the offsets of an earlier launch.
+        if const_expr(not self.early_b):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
         self._load_offsets(mOffsets, sOff, num_experts)
         cute.arch.sync_threads()
 
@@ -386,6 +425,13 @@ class MoeGemmSm90:
                 tma_b1, 0, cute.make_layout(1), cute.group_modes(sB1, 0, 2), cute.group_modes(gB1, 0, 2)
             )
             state_b = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+            # k-tiles of the first tile whose weights are already loading (early_b).
+            early = Int32(0)
+            if const_expr(self.early_b):
+                if warp_idx == 0:
+                    early = self._early_weights(pipe_b, tma_b0, tBgB0, tBsB0, tma_b1, tBgB1, tBsB1, sOff, num_experts, n_tiles, k_tiles)
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
             if const_expr(self.tma_a):
                 if warp_idx == 0:
                     tile, e, base, e_tiles = self._walk_start(sOff, num_experts, n_tiles)
@@ -398,13 +444,14 @@ class MoeGemmSm90:
                                 tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
                             )
                             for kt in range(k_tiles):
-                                pipe_b.producer_acquire(state_b)
                                 bar = pipe_b.producer_get_barrier(state_b)
+                                if kt >= early:
+                                    pipe_b.producer_acquire(state_b)
+                                    self._load_weights(tma_b0, tBgB0, tBsB0, tma_b1, tBgB1, tBsB1, n_tile, kt, e, state_b.index, bar)
+                                # An early k-tile's barrier already expects A's bytes too.
                                 cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state_b.index)], tma_bar_ptr=bar)
-                                cute.copy(tma_b0, tBgB0[(None, n_tile, kt, e)], tBsB0[(None, state_b.index)], tma_bar_ptr=bar)
-                                if const_expr(self.num_parts == 2):
-                                    cute.copy(tma_b1, tBgB1[(None, n_tile, kt, e)], tBsB1[(None, state_b.index)], tma_bar_ptr=bar)
                                 state_b.advance()
+                            early = Int32(0)
                             tile += grid
                         else:
                             e, base, e_tiles = self._next_expert(sOff, num_experts, tile, e, base, e_tiles, n_tiles)
@@ -445,11 +492,10 @@ class MoeGemmSm90:
                         for kt in range(k_tiles):
                             pipe_a.producer_acquire(state)
                             if warp_idx == 0:
-                                pipe_b.producer_acquire(state_b)
-                                bar = pipe_b.producer_get_barrier(state_b)
-                                cute.copy(tma_b0, tBgB0[(None, n_tile, kt, e)], tBsB0[(None, state_b.index)], tma_bar_ptr=bar)
-                                if const_expr(self.num_parts == 2):
-                                    cute.copy(tma_b1, tBgB1[(None, n_tile, kt, e)], tBsB1[(None, state_b.index)], tma_bar_ptr=bar)
+                                if kt >= early:
+                                    pipe_b.producer_acquire(state_b)
+                                    bar = pipe_b.producer_get_barrier(state_b)
+                                    self._load_weights(tma_b0, tBgB0, tBsB0, tma_b1, tBgB1, tBsB1, n_tile, kt, e, state_b.index, bar)
                             for i in cutlass.range_constexpr(rows_per_thread):
                                 # Dead rows: cp.async with source size 0 (zero-fill; the module docstring).
                                 live[0] = (dead >> i) & 1 == 0
@@ -458,6 +504,7 @@ class MoeGemmSm90:
                             pipe_a.producer_commit(state)
                             state.advance()
                             state_b.advance()
+                        early = Int32(0)
                         tile += grid
                     else:
                         e, base, e_tiles = self._next_expert(sOff, num_experts, tile, e, base, e_tiles, n_tiles)
@@ -467,6 +514,10 @@ class MoeGemmSm90:
         else:
             # ------------------------------- consumers --------------------------------------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
+            if const_expr(self.early_b):
+                # No global write before the previous kernel completes: C may reuse memory it reads.
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
             sEpi = storage.sEpi.get_tensor(cute.make_layout((16, EPI_STRIDE, EPI_WARPS), stride=(EPI_STRIDE, 1, 16 * EPI_STRIDE)))
             sDest = storage.sDest.get_tensor(cute.make_layout((16, EPI_WARPS), stride=(1, 16)))
             ctid = tidx - 128

@@ -60,7 +60,8 @@ def _run_down_reduce(args: dict):
     from cute_kernels import interface
 
     return interface.down_reduce(
-        args["a"], args["w"], args["bias"], args["expert_offsets"], args["gather_idx"], args["topk_weights"], args["inverse"]
+        args["a"], args["w"], args["bias"], args["expert_offsets"], args["gather_idx"], args["topk_weights"], args["inverse"],
+        weights_early=args["weights_early"],
     )
 
 

@@ -7,7 +7,10 @@ moe_ops::gate_up    = gather rows + [quantize] + grouped GEMM1 (+ bias) + activa
 moe_ops::down_reduce = grouped GEMM2 (+ bias) + router weight + reduction of each token's k rows
     (intermediate [P, I'], ..., expert_offsets, gather_idx [P], topk_weights [M, k], inverse [P]) -> [M, H];
     gather_idx and inverse give each grouped row's pair, so the kernel's GEMM2 epilogue applies the
-    router weight.
+    router weight. weights_early (default False): w and expert_offsets were written before the kernel
+    launched just before this op started, and that kernel writes neither, as when gate_up over the
+    same plan comes right before it; the kernel then starts loading w before waiting for that kernel
+    (graph_pass.py sets it where the graph proves it).
 
 Each carries its recipe as op arguments (activation kind and parameters, quantization dtypes and
 groups, bias presence), which is what cute_kernels specialises on. On the CPU (and on CUDA when no
@@ -102,9 +105,10 @@ def _gate_up_fake(
 
 def down_reduce_reference(
     a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
-    bias, expert_offsets, gather_idx, topk_weights, inverse, out_dtype,
+    bias, expert_offsets, gather_idx, topk_weights, inverse, out_dtype, weights_early=False,
 ):  # fmt: skip
-    """The reference composition of down_reduce (gather_idx is for the kernels' epilogue)."""
+    """The reference composition of down_reduce (gather_idx is for the kernels' epilogue; weights_early
+    for their launch order)."""
     y = grouped_gemm(
         a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
         bias, expert_offsets, None, out_dtype,
@@ -131,6 +135,7 @@ def down_reduce(
     topk_weights: torch.Tensor,
     inverse: torch.Tensor,
     out_dtype: torch.dtype,
+    weights_early: bool = False,
 ) -> torch.Tensor:
     """Fused GEMM2 + router weight + per-token reduction; see the module docstring."""
     args = locals().copy()
@@ -141,7 +146,7 @@ def down_reduce(
 @down_reduce.register_fake
 def _down_reduce_fake(
     a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
-    bias, expert_offsets, gather_idx, topk_weights, inverse, out_dtype,
+    bias, expert_offsets, gather_idx, topk_weights, inverse, out_dtype, weights_early=False,
 ):  # fmt: skip
     torch._check(inverse.shape[0] == topk_weights.shape[0] * topk_weights.shape[1])
     torch._check(gather_idx.shape[0] == inverse.shape[0])

@@ -35,6 +35,20 @@ class PassReport:
     unfused: list[Unfused]
 
 
+def _written_before(first: Node, values) -> bool:
+    """Whether every value is a graph input, a constant or computed before `first` (an ancestor of it):
+    then no kernel launched after `first` writes it, and down_reduce may read it before waiting for
+    the kernel before it (fused_ops.py, weights_early). Weights computed in the graph (a dequantize,
+    a cast) that gate_up does not depend on may be scheduled right before down_reduce."""
+    ancestors, todo = set(), list(first.all_input_nodes)
+    while todo:
+        node = todo.pop()
+        if node not in ancestors:
+            ancestors.add(node)
+            todo.extend(node.all_input_nodes)
+    return all(not isinstance(v, Node) or v.op in ("placeholder", "get_attr") or v in ancestors for v in values)
+
+
 def _fake(node: Node):
     return node.meta.get("val") if isinstance(node, Node) else node
 
@@ -75,6 +89,7 @@ def _replace(graph: Graph, chain: Chain) -> Fused:
             inter, scale if q2 else None, g2["a_global_scale"], g2["a_dtype"], g2["a_group"],
             g2["w"], g2["w_scale"], g2["w_global_scale"], g2["w_zero"], g2["w_dtype"], g2["w_group"],
             g2["bias"], g2["expert_offsets"], g1["gather_idx"], r["topk_weights"], r["inverse"], g2["out_dtype"],
+            _written_before(gu, (g2["w"], g2["expert_offsets"])),
         )  # fmt: skip
         dr = graph.call_function(DOWN_REDUCE, dr_args)
         _set_meta(dr, down_reduce, dr_args)

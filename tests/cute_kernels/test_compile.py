@@ -53,27 +53,38 @@ def _check_resources(report: str) -> None:
     assert regs <= 168, f"{regs} registers: 384 threads would not fit one block per SM"
 
 
-def _waits_before_global_access(ptx: str) -> None:
+# What GEMM2 (early_b) may do before its wait: read the offsets past L1, start the weights' TMA.
+EARLY_ACCESS = r"ld\.global\.cg\.b32|cp\.async\.bulk\.tensor\.3d\.\S+"
+
+
+def _waits_before_global_access(ptx: str, early_weights: bool) -> None:
     """The kernels launch as programmatic dependents of the kernel before them (PDL), so they must
     not touch global memory before griddepcontrol.wait: the previous kernel's writes are visible
-    only after it."""
+    only after it. GEMM2's exception (MoeGemmSm90.early_b): the offsets and its weights, which
+    GEMM1 does not write, loaded before the wait."""
     body = ptx[ptx.index(".entry"):]
     wait = body.find("griddepcontrol.wait")
     assert wait >= 0, "no griddepcontrol.wait"
-    accesses = [i for i in (body.find(op) for op in ("ld.global", "st.global", "cp.async", "atom.global", "red.global")) if i >= 0]
-    assert accesses and wait < min(accesses), "a global access before griddepcontrol.wait"
+    before = body[:wait]
+    if early_weights:
+        assert re.search(r"ld\.global\.cg\.b32", before) and "cp.async.bulk.tensor.3d" in before, "GEMM2 loads no weights early"
+        before = re.sub(EARLY_ACCESS, "", before)
+    ops = ("ld.global", "st.global", "cp.async", "atom.global", "red.global")
+    assert not any(op in before for op in ops), "a global access before griddepcontrol.wait"
+    assert any(op in body[wait:] for op in ops)
 
 
 def _id(v) -> str:
-    dtype, epi, gather, bias_dtype, tile_m, tile_n = v
+    dtype, epi, gather, bias_dtype, tile_m, tile_n, early = v
     bias = str(bias_dtype).removeprefix("torch.") if epi.has_bias else "none"
-    return f"{str(dtype).removeprefix('torch.')}-{epi.activation}-{epi.gate_layout}-gather{int(gather)}-bias_{bias}-{tile_m}x{tile_n}"
+    name = f"{str(dtype).removeprefix('torch.')}-{epi.activation}-{epi.gate_layout}-gather{int(gather)}-bias_{bias}-{tile_m}x{tile_n}"
+    return name + ("-early" if early else "")
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=_id)
 def test_moe_gemm_variant(variant, tmp_path):
-    dtype, epi, gather, bias_dtype, tile_m, tile_n = variant
-    kernel = MoeGemmSm90(epi, tile_n=tile_n, tile_m=tile_m, gather=gather, num_sms=132)
+    dtype, epi, gather, bias_dtype, tile_m, tile_n, early = variant
+    kernel = MoeGemmSm90(epi, tile_n=tile_n, tile_m=tile_m, gather=gather, num_sms=132, early_weights=early)
     ptx = _compile(kernel, interface.gemm_compile_args(dtype, bias_dtype), tmp_path)
     # WGMMA on bf16/fp16 operands (m64nNk16), two accumulators for [gate; up].
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(bf16|f16)", ptx)
@@ -97,7 +108,7 @@ def test_moe_gemm_variant(variant, tmp_path):
         # GEMM2's epilogue stages rows through shared memory and stores them 16 bytes at a time.
         assert "st.global.v4.b32" in ptx and "st.global.b32" not in ptx
     assert ".local" not in ptx
-    _waits_before_global_access(ptx)
+    _waits_before_global_access(ptx, kernel.early_b)
     assert "griddepcontrol.launch_dependents" in ptx
     assert kernel.storage.size_in_bytes() <= SMEM_CAPACITY
     assert kernel.num_stages >= 3
@@ -126,7 +137,7 @@ def test_disk_cache_round_trip(tmp_path, monkeypatch):
     """A variant compiled once is loaded from the disk cache by a fresh in-memory cache."""
     monkeypatch.setenv("MOE_OPS_CUTE_CACHE", str(tmp_path))
     monkeypatch.setattr(cc, "_memory", {})
-    _, epi, gather, bias_dtype, tile_m, tile_n = VARIANTS[0]
+    _, epi, gather, bias_dtype, tile_m, tile_n, _ = VARIANTS[0]
     interface._gemm(epi, gather, torch.bfloat16, bias_dtype, 132, tile_m, tile_n)
     key = next(iter(k for k in cc._memory))
     assert cc.timings[key][0] == "compile"
@@ -134,6 +145,15 @@ def test_disk_cache_round_trip(tmp_path, monkeypatch):
     monkeypatch.setattr(cc, "_memory", {})
     interface._gemm(epi, gather, torch.bfloat16, bias_dtype, 132, tile_m, tile_n)
     assert cc.timings[key][0] == "disk"
+
+
+def test_early_weights_only_without_gather():
+    """GEMM1 reads the routing plan's offsets, which its previous kernel writes: it cannot start its
+    weights before the wait, and asking for it is refused before anything compiles."""
+    from cute_kernels.moe_gemm import Epilogue
+
+    with pytest.raises(ValueError, match="early_weights=True with gather=True"):
+        MoeGemmSm90(Epilogue("silu", "concat"), gather=True, early_weights=True)
 
 
 def test_too_many_experts_declined():

@@ -28,25 +28,26 @@ def interface():
     return interface
 
 
-def run_layer(interface, x, w13, w2, tw, plan, activation="silu", alpha=1.702, limit=7.0, layout="concat", b13=None, b2=None, tiles=(None, None)):
+def run_layer(interface, x, w13, w2, tw, plan, activation="silu", alpha=1.702, limit=7.0, layout="concat", b13=None, b2=None, tiles=(None, None), early=True):
     offsets, gather, inverse = plan
     e, n, h = w13.shape
     inter_dim = w2.shape[2]
     inter = torch.full((gather.shape[0], inter_dim), float("nan"), device=x.device, dtype=x.dtype)
     out = torch.full((tw.shape[0], h), float("nan"), device=x.device, dtype=x.dtype)
     interface.gate_up(x, w13, b13, offsets, gather, activation=activation, alpha=alpha, limit=limit, gate_layout=layout, out=inter, tiles=tiles[0])
-    interface.down_reduce(inter, w2, b2, offsets, gather, tw, inverse, out=out, tiles=tiles[1])
+    # gate_up, launched just before, writes neither w2 nor the offsets: GEMM2 may load weights early.
+    interface.down_reduce(inter, w2, b2, offsets, gather, tw, inverse, out=out, tiles=tiles[1], weights_early=early)
     return inter, out
 
 
-def check(interface, m, e, k, h, i, skew=0.0, activation="silu", layout="concat", bias=False, w=None, tiles=(None, None)):
+def check(interface, m, e, k, h, i, skew=0.0, activation="silu", layout="concat", bias=False, w=None, tiles=(None, None), early=True):
     w13, w2 = w if w is not None else weights(e, h, i, gated=activation != "relu2")
     x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
     tw, ti = routing(m, e, k, skew=skew)
     b13 = torch.randn(e, w13.shape[1], device="cuda", dtype=torch.bfloat16) / 10 if bias else None
     b2 = torch.randn(e, h, device="cuda", dtype=torch.bfloat16) / 10 if bias else None
     ref_inter, ref_out, plan = reference(x, w13, w2, tw, ti, activation, interleaved=layout == "interleaved", b13=b13, b2=b2)
-    inter, out = run_layer(interface, x, w13, w2, tw, plan, activation, layout=layout, b13=b13, b2=b2, tiles=tiles)
+    inter, out = run_layer(interface, x, w13, w2, tw, plan, activation, layout=layout, b13=b13, b2=b2, tiles=tiles, early=early)
     valid = int(plan[0][-1])
     assert not inter[:valid].isnan().any(), "gate_up left rows unwritten"
     assert not out.isnan().any(), "down_reduce left elements unwritten"
@@ -98,11 +99,12 @@ def test_epilogues(interface, activation, layout, bias):
 )
 def test_every_tile_shape(interface, activation, layout, bias):
     """Every (tile_m, tile_n) choose_tiles can pick, for GEMM1 and GEMM2, with ragged experts (some
-    above and some below a 64-row tile)."""
+    above and some below a 64-row tile); GEMM2 with and without its early weight loads."""
     gate, down = interface.tile_shapes(layout), interface.tile_shapes("none")
     for j in range(max(len(gate), len(down))):
         tiles = (gate[j % len(gate)], down[j % len(down)])
-        check(interface, 200, 16, 3, 576, 320, activation=activation, layout=layout, bias=bias, tiles=tiles)
+        for early in (True, False):
+            check(interface, 200, 16, 3, 576, 320, activation=activation, layout=layout, bias=bias, tiles=tiles, early=early)
 
 
 def test_experts_without_tokens(interface):
@@ -127,7 +129,9 @@ def test_deterministic(interface):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-def test_cuda_graph_replay_matches_eager(interface):
+@pytest.mark.parametrize("early", [True, False])
+def test_cuda_graph_replay_matches_eager(interface, early):
+    """New routing each replay: a GEMM2 reading stale offsets (early weight loads) would differ."""
     from moe_ops.plan import routing_plan
 
     e, k, h, i, m = 16, 2, 512, 256, 64
@@ -138,7 +142,7 @@ def test_cuda_graph_replay_matches_eager(interface):
     def layer():
         plan = routing_plan(ti, e, None)
         inter = interface.gate_up(x, w13, None, plan[0], plan[1], activation="silu", alpha=1.702, limit=7.0, gate_layout="concat")
-        return interface.down_reduce(inter, w2, None, plan[0], plan[1], tw, plan[2])
+        return interface.down_reduce(inter, w2, None, plan[0], plan[1], tw, plan[2], weights_early=early)
 
     layer()  # compiles before capture
     torch.cuda.synchronize()

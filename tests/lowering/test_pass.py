@@ -23,6 +23,7 @@ from moe_ops.quant.quantize import quantize
 from moe_ops.reduce import weighted_reduce
 from moe_ops.reference import moe_float64, relative_error, tolerance
 
+from . import cases
 from .cases import CASES, inputs, quantized
 
 TOKENS = (1, 5, 64, 300)
@@ -215,6 +216,31 @@ def test_two_layers_two_fused_pairs():
 
 
 # ---- install / uninstall / enabled -------------------------------------------------------------
+
+
+class ScaledDownWeights(cases.Experts):
+    """GEMM2's weights computed in the forward (a per-expert scale, as a dequantize would be): the
+    kernel making them is free to run right before down_reduce."""
+
+    def __init__(self):
+        super().__init__(*cases.float_weights(4, 128, 64))
+        self.register_buffer("w2_scale", torch.rand(4, 1, 1) + 0.5)
+
+    def forward(self, x, topk_weights, topk_ids):
+        return moe_ops.fused_experts(x, self.w13, self.w2 * self.w2_scale, topk_weights, topk_ids)
+
+
+@pytest.mark.parametrize("model, early", [(CASES["bf16_swiglu"], True), (lambda: (ScaledDownWeights(), 128, 4, torch.float32), False)])
+def test_weights_early_only_for_weights_made_before_gate_up(model, early):
+    """down_reduce may load its weights before waiting for the kernel before it (weights_early) only
+    when the graph shows they exist before gate_up runs: inputs (parameters, buffers) yes, weights
+    computed in the graph and not needed by gate_up no."""
+    model, h, e, dtype = model()
+    batches = [inputs(h, e, dtype, 9)]
+    (out,), _, seen = run_compiled(model, batches)
+    assert_close_to_eager(out, eager(model, batches)[0], dtype)
+    (fused,) = seen[0][1].fused
+    assert fused.down_reduce.args[-1] is early
 
 
 class CountingPass(CustomGraphPass):
