@@ -128,6 +128,7 @@ def routing_plan_triton(
         ids, emap, offsets, gather, inverse, scratch,
         num_pairs, k, num_experts, emap.shape[0] if expert_map is not None else 0,
         HAS_MAP=expert_map is not None, BLOCK=block, BINS=bins, SCAN=max(scan or default_scan, block),
-        EARLY_LAUNCH=grid == 1, num_warps=num_warps or default_warps,
+        # Grid dependency control is a GPU feature: Triton's interpreter (CPU tensors) has none.
+        EARLY_LAUNCH=grid == 1 and ids.is_cuda, num_warps=num_warps or default_warps,
     )  # fmt: skip
     return offsets, gather, inverse
