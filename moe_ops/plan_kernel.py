@@ -1,17 +1,22 @@
 """The routing plan in one Triton kernel: the CUDA implementation of moe_ops::routing_plan.
 
 Same outputs as the reference in plan.py, bit for bit (a stable sort of the pairs by local expert), in
-a single launch with no host synchronisation. Programs split the P = M*k pairs into blocks of BLOCK; a
-pair's grouped row is
+a single launch with no host synchronisation and no zeroed counters between CUDA-graph replays (no
+program waits on another). A pair p with key e (its local expert, E for a dropped pair) gets the row
 
-    row(p) = #pairs with a smaller key  +  #pairs before p's block with p's key  +  p's rank in its block
+    row(p) = #pairs with a key below e  +  #pairs before p with key e
 
-The first two terms are histograms: every program reads all P keys (P <= 131072 int32 in the benchmark,
-L2-resident) instead of waiting on other programs, which needs no grid-wide synchronisation and so no
-zeroed counters between CUDA-graph replays. The rank inside the block comes from sorting the block's
-(key, position) pairs: a key's pairs are then contiguous, in position order.
+Two kernels compute it, chosen by the number of pairs P = M*k (launch_config):
+- by keys (P <= 16384): one program per key e in 0..E scans all P keys twice, once summing key < e (the
+  offset of e) and once numbering its own pairs with a running prefix sum. Only comparisons, sums and
+  one scan per chunk: 1.5-3.4 µs up to P = 1024 on an H200, where the blocks kernel took 2.4-13 µs.
+- by blocks (larger P): programs split the pairs into blocks; each histograms all P keys (the first
+  term, and the second for pairs before its block) and ranks its block's pairs by sorting them. Its
+  work per program grows with P and the bins but not with E programs' scans, so it wins from P = 32768.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -33,17 +38,16 @@ def _keys(ids_ptr, map_ptr, offs, mask, num_experts, num_global, HAS_MAP: tl.con
 
 # Sizes vary with M: specialising on their divisibility would compile a new kernel for some token counts.
 @triton.jit(do_not_specialize=["num_pairs", "k", "num_experts", "num_global"])
-def _routing_plan_kernel(
+def _routing_plan_by_blocks_kernel(
     ids_ptr, map_ptr, offsets_ptr, gather_ptr, inverse_ptr, scratch_ptr,
     num_pairs, k, num_experts, num_global,
     HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr, SCAN: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
 ):  # fmt: skip
     if EARLY_LAUNCH:
         # The GEMM after the plan is a programmatic dependent launch: letting it launch now starts its
-        # CTAs (barrier setup, descriptor prefetch) on the SMs this one program leaves free; they wait
-        # for the plan's completion before reading anything it writes (griddepcontrol.wait), so this
-        # promises nothing. Small M only: 0.5-1.8 µs off the layer at M = 1 (bench/NOTES.md, v16);
-        # with a grid of many programs nothing was gained and deepseek M = 8192 read 2-3% slower.
+        # CTAs (barrier setup, descriptor prefetch) on the SMs the plan leaves free; they wait for the
+        # plan's completion before reading anything it writes (griddepcontrol.wait), so this promises
+        # nothing. Small plans only (EARLY_MAX_PAIRS).
         gdc_launch_dependents()
     block = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
@@ -87,48 +91,126 @@ def _routing_plan_kernel(
     tl.store(gather_ptr + row, pair // k, mask=valid)
 
 
-def launch_config(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
-    """(BLOCK, SCAN, num_warps) for P pairs over E experts, from timings of the kernel alone on an
-    H200. Up to 1024 pairs, or with few experts (bins <= 64), one block per 1-2K pairs and 8-16K-pair
-    scan steps (bench/NOTES.md, v5). With many experts the histograms' cost grows with the bins, and
-    smaller blocks and scan steps with 8 warps halve the plan (v10): P = 8192, E = 128 39.2 -> 17.6 µs,
-    E = 256 53.3 -> 25.3; P = 65536, E = 128 91.4 -> 62.7; E = 256 134.7 -> 96.3 with 16 warps."""
+
+@triton.jit(do_not_specialize=["num_pairs", "k", "num_experts", "num_global"])
+def _routing_plan_by_keys_kernel(
+    ids_ptr, map_ptr, offsets_ptr, gather_ptr, inverse_ptr,
+    num_pairs, k, num_experts, num_global,
+    HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
+):  # fmt: skip
+    if EARLY_LAUNCH:
+        # As in the blocks kernel: the GEMM after the plan sets up while it runs and waits for it to
+        # finish before reading. Small plans only (EARLY_MAX_PAIRS).
+        gdc_launch_dependents()
+    key_of_program = tl.program_id(0)  # an expert, or num_experts for the dropped pairs
+    below = tl.zeros((), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < num_pairs
+        key = _keys(ids_ptr, map_ptr, offs, mask, num_experts, num_global, HAS_MAP)
+        below += tl.sum((mask & (key < key_of_program)).to(tl.int32))
+    tl.store(offsets_ptr + key_of_program, below)
+    taken = below  # rows given to this key's pairs so far, plus its first row
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < num_pairs
+        key = _keys(ids_ptr, map_ptr, offs, mask, num_experts, num_global, HAS_MAP)
+        mine = (mask & (key == key_of_program)).to(tl.int32)
+        row = taken + tl.cumsum(mine, 0) - 1
+        tl.store(inverse_ptr + offs, row, mask=mine != 0)
+        tl.store(gather_ptr + row, offs // k, mask=mine != 0)
+        taken += tl.sum(mine)
+
+
+# Plans up to this many pairs run by keys; larger ones by blocks (measured crossover, bench/NOTES.md v17:
+# by keys P = 16384 took 16.8 µs against 31.0, P = 32768 32.7 against 32.5, P = 65536 65-127 against 60-93).
+KEYS_MAX_PAIRS = 16384
+# Plans up to this many pairs let the GEMM after them launch at their start (v16, v17): in the layer
+# 0.5-5 µs faster up to P = 1024, and up to 3% slower at P = 8192-65536 with E = 256.
+EARLY_MAX_PAIRS = 1024
+
+
+@dataclass(frozen=True)
+class PlanLaunch:
+    """How the plan launches: by "keys" (one program per key, `chunk` pairs per scan step) or by "blocks"
+    (`block` pairs per program, histograms `scan` pairs at a time); num_warps per program."""
+
+    method: str
+    num_warps: int
+    chunk: int = 0
+    block: int = 0
+    scan: int = 0
+
+    def __post_init__(self):
+        sizes = {"keys": ("chunk",), "blocks": ("block", "scan")}
+        if self.method not in sizes:
+            raise ValueError(f"PlanLaunch: method must be one of {sorted(sizes)}, got {self.method!r}")
+        for name in ("num_warps", *sizes[self.method]):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"PlanLaunch: {name} must be a power of two for method {self.method!r}, got {value}")
+        if self.method == "blocks" and self.scan < self.block:
+            raise ValueError(f"PlanLaunch: scan ({self.scan}) must be at least block ({self.block})")
+
+
+def _blocks_config(num_pairs: int, num_experts: int) -> PlanLaunch:
+    """From timings of the blocks kernel alone on an H200: with few experts (bins <= 64) one block per
+    1-2K pairs and 8-16K-pair scan steps (v5); with many, smaller blocks and scan steps and 8-16 warps
+    (v10: P = 65536, E = 128 91.4 -> 62.7 µs; E = 256 134.7 -> 96.3)."""
     p2 = max(128, triton.next_power_of_2(num_pairs))
     bins = triton.next_power_of_2(num_experts + 1)
     if p2 <= 1024 or bins <= 64:
-        return (min(1024, p2), p2, 4) if p2 <= 8192 else (2048, 16384, 8)
+        return PlanLaunch("blocks", 4, block=min(1024, p2), scan=p2) if p2 <= 8192 else PlanLaunch("blocks", 8, block=2048, scan=16384)
     if p2 <= 8192:
-        return 512, 2048, 8
-    return (512, 4096, 8) if bins <= 256 else (1024, 8192, 16)
+        return PlanLaunch("blocks", 8, block=512, scan=2048)
+    return PlanLaunch("blocks", 8, block=512, scan=4096) if bins <= 256 else PlanLaunch("blocks", 16, block=1024, scan=8192)
+
+
+def launch_config(num_pairs: int, num_experts: int) -> PlanLaunch:
+    """The launch for P pairs over E experts, from timings of both kernels alone at the benchmark's
+    points on an H200 (v17). By keys: the whole plan in one chunk up to 4096 pairs, 8 warps from 512
+    pairs; with 256 experts and more than 4096 pairs (two programs per SM) 2048-pair chunks and 4 warps
+    (P = 8192: 13.5 µs against 17.1 for 4096 x 8)."""
+    if num_pairs > KEYS_MAX_PAIRS:
+        return _blocks_config(num_pairs, num_experts)
+    if num_experts >= 256 and num_pairs > 4096:
+        return PlanLaunch("keys", 4, chunk=2048)
+    p2 = max(16, triton.next_power_of_2(num_pairs))
+    return PlanLaunch("keys", 8 if num_pairs >= 512 else 4, chunk=min(p2, 4096))
 
 
 def routing_plan_triton(
-    topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, block: int | None = None,
-    scan: int | None = None, num_warps: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, launch: PlanLaunch | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [M, k] -> (expert_offsets int32 [E+1], gather_idx int32 [M*k], inverse int32 [M*k]).
 
-    block, scan, num_warps (powers of two; scan >= block) override launch_config(M*k, E); the tests use
-    them to get many programs and scan steps from few pairs.
+    launch overrides launch_config(M*k, E); the tests use it to run either kernel with many programs,
+    chunks and scan steps from few pairs.
     """
     m, k = topk_ids.shape
     num_pairs = m * k
     device = topk_ids.device
+    launch = launch or launch_config(num_pairs, num_experts)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
     gather = torch.empty(num_pairs, dtype=torch.int32, device=device)
     inverse = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    default_block, default_scan, default_warps = launch_config(num_pairs, num_experts)
-    block = block or default_block
-    bins = triton.next_power_of_2(num_experts + 1)
-    grid = max(1, triton.cdiv(num_pairs, block))
-    scratch = torch.empty(grid * bins, dtype=torch.int32, device=device)
     ids = topk_ids.contiguous()
     emap = expert_map.contiguous() if expert_map is not None else ids
-    _routing_plan_kernel[(grid,)](
-        ids, emap, offsets, gather, inverse, scratch,
-        num_pairs, k, num_experts, emap.shape[0] if expert_map is not None else 0,
-        HAS_MAP=expert_map is not None, BLOCK=block, BINS=bins, SCAN=max(scan or default_scan, block),
-        # Grid dependency control is a GPU feature: Triton's interpreter (CPU tensors) has none.
-        EARLY_LAUNCH=grid == 1 and ids.is_cuda, num_warps=num_warps or default_warps,
+    sizes = (num_pairs, k, num_experts, emap.shape[0] if expert_map is not None else 0)
+    # Grid dependency control is a GPU feature: Triton's interpreter (CPU tensors) has none.
+    early = num_pairs <= EARLY_MAX_PAIRS and ids.is_cuda
+    if launch.method == "keys":
+        _routing_plan_by_keys_kernel[(num_experts + 1,)](
+            ids, emap, offsets, gather, inverse, *sizes,
+            HAS_MAP=expert_map is not None, CHUNK=launch.chunk, EARLY_LAUNCH=early, num_warps=launch.num_warps,
+        )  # fmt: skip
+        return offsets, gather, inverse
+    bins = triton.next_power_of_2(num_experts + 1)
+    grid = max(1, triton.cdiv(num_pairs, launch.block))
+    scratch = torch.empty(grid * bins, dtype=torch.int32, device=device)
+    _routing_plan_by_blocks_kernel[(grid,)](
+        ids, emap, offsets, gather, inverse, scratch, *sizes,
+        HAS_MAP=expert_map is not None, BLOCK=launch.block, BINS=bins, SCAN=launch.scan,
+        EARLY_LAUNCH=early, num_warps=launch.num_warps,
     )  # fmt: skip
     return offsets, gather, inverse

@@ -15,27 +15,39 @@ import torch
 
 from moe_ops.plan import routing_plan
 
-# (M, k, E, expert_map, block, scan): one program, many programs with a partial last block, scan
-# steps holding several blocks (a block in the middle of one), an expert map with remote and
-# out-of-range ids, skewed routing, and no tokens at all.
+# (M, k, E, expert_map, launch): each kernel with one program or chunk, with many programs and a partial
+# last block, with scan steps holding several blocks (a block in the middle of one), with several
+# chunks (a key's pairs numbered across them), an expert map with remote and out-of-range ids, skewed
+# routing, and no tokens at all. launch: None (launch_config's choice), "keys:CHUNK" or
+# "blocks:BLOCK:SCAN".
 INTERPRETER_CASES = [
-    (1, 8, 128, False, None, None),
-    (37, 3, 8, True, None, None),
-    (150, 4, 16, False, 128, 256),
-    (90, 8, 256, True, 64, 512),
-    (200, 2, 8, "skewed", 64, None),
-    (0, 2, 8, False, None, None),
+    (1, 8, 128, False, None),
+    (37, 3, 8, True, None),
+    (150, 4, 16, False, "blocks:128:256"),
+    (150, 4, 16, False, "keys:64"),
+    (90, 8, 256, True, "blocks:64:512"),
+    (90, 8, 256, True, "keys:128"),
+    (200, 2, 8, "skewed", "blocks:64:64"),
+    (200, 2, 8, "skewed", "keys:32"),
+    (0, 2, 8, False, None),
+    (0, 2, 8, False, "blocks:128:128"),
 ]
 
 _SCRIPT = textwrap.dedent(
     """
     import sys, torch
     from moe_ops.plan import routing_plan
-    from moe_ops.plan_kernel import routing_plan_triton
-    seed, m, k, e, kind, block, scan = sys.argv[1:]
+    from moe_ops.plan_kernel import PlanLaunch, routing_plan_triton
+    seed, m, k, e, kind, launch = sys.argv[1:]
     torch.manual_seed(int(seed))
     m, k, e = int(m), int(k), int(e)
-    block, scan = [int(v) if v != "None" else None for v in (block, scan)]
+    if launch == "None":
+        launch = None
+    elif launch.startswith("keys:"):
+        launch = PlanLaunch("keys", 4, chunk=int(launch.split(":")[1]))
+    else:
+        _, block, scan = launch.split(":")
+        launch = PlanLaunch("blocks", 4, block=int(block), scan=int(scan))
     emap = None
     if kind == "True":
         # Remote experts (-1) in the map, and ids beyond it (dropped as out of range).
@@ -46,7 +58,7 @@ _SCRIPT = textwrap.dedent(
     else:
         ids = torch.randint(0, e, (m, k), dtype=torch.int32)
     want = routing_plan(ids, e, emap)
-    got = routing_plan_triton(ids, e, emap, block=block, scan=scan)
+    got = routing_plan_triton(ids, e, emap, launch)
     for name, a, b in zip(("expert_offsets", "gather_idx", "inverse"), want, got):
         assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
         assert torch.equal(a, b), (name, a.tolist(), b.tolist())
@@ -55,14 +67,14 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("m,k,e,kind,block,scan", INTERPRETER_CASES)
-def test_triton_plan_matches_reference_in_interpreter(m, k, e, kind, block, scan, rng):
+@pytest.mark.parametrize("m,k,e,kind,launch", INTERPRETER_CASES)
+def test_triton_plan_matches_reference_in_interpreter(m, k, e, kind, launch, rng):
     seed = rng.initial_seed()
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(seed), str(m), str(k), str(e), str(kind), str(block), str(scan)],
+        [sys.executable, "-c", _SCRIPT, str(seed), str(m), str(k), str(e), str(kind), str(launch)],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -88,3 +100,45 @@ def test_cuda_plan_is_one_launch_and_matches_reference(m, k, e, with_map):
     assert len(kernels) == 1, kernels
     for a, b in zip(want, got):
         assert torch.equal(a, b.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,e", [(1, 8, 256), (300, 8, 128), (2048, 8, 256)])
+@pytest.mark.parametrize("launch", ["keys:16", "keys:4096", "blocks:256:1024", "blocks:2048:16384"])
+def test_cuda_plan_both_kernels_match_reference(m, k, e, launch):
+    """Either kernel, forced with chunks and blocks far from launch_config's choice, equals the reference."""
+    from moe_ops.plan_kernel import PlanLaunch, routing_plan_triton
+
+    method, *sizes = launch.split(":")
+    sizes = [int(v) for v in sizes]
+    plan_launch = PlanLaunch("keys", 4, chunk=sizes[0]) if method == "keys" else PlanLaunch("blocks", 8, block=sizes[0], scan=sizes[1])
+    ids = torch.randint(0, e, (m, k), dtype=torch.int32)
+    want = routing_plan(ids, e, None)
+    got = routing_plan_triton(ids.cuda(), e, None, plan_launch)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b.cpu())
+
+
+def test_launch_config_switches_kernel_at_keys_max_pairs():
+    from moe_ops.plan_kernel import KEYS_MAX_PAIRS, launch_config
+
+    for e in (8, 128, 256):
+        assert launch_config(1, e).method == "keys"
+        assert launch_config(KEYS_MAX_PAIRS, e).method == "keys"
+        assert launch_config(KEYS_MAX_PAIRS + 1, e).method == "blocks"
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(method="sort", num_warps=4, chunk=64), "method must be one of"),
+        (dict(method="keys", num_warps=4), "chunk must be a power of two"),
+        (dict(method="keys", num_warps=3, chunk=64), "num_warps must be a power of two"),
+        (dict(method="blocks", num_warps=4, block=512, scan=256), r"scan \(256\) must be at least block \(512\)"),
+    ],
+)
+def test_plan_launch_rejects_bad_settings(kwargs, match):
+    from moe_ops.plan_kernel import PlanLaunch
+
+    with pytest.raises(ValueError, match=match):
+        PlanLaunch(**kwargs)
