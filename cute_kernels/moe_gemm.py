@@ -37,6 +37,9 @@ right after GEMM1) it reads the offsets and starts the TMA of its first tile's w
 wait, as GEMM1 writes neither: at small M, where that tile is a CTA's whole job, its weights then
 stream while GEMM1 finishes (qwen3 M=1 layer 34.0 -> 32.4 µs, bench/NOTES.md v16).
 
+L2: a 64-row kernel loads the weights of an expert with one m-tile as evict-first (read once, they
+would only push the rows and outputs that are read again out of L2); see _weight_policy.
+
 B parts: a gated activation with w13 = [gate; up] loads the gate rows and the up rows of the same
 output columns as two parts with two accumulators, so the epilogue combines act(gate) * up within
 each thread; interleaved gate/up (gpt-oss) is one part whose adjacent columns pair up in the same
@@ -51,7 +54,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import SmemAllocator
 
@@ -67,6 +70,9 @@ EPI_BYTES = EPI_WARPS * 16 * (EPI_STRIDE * 2 + 4)
 # The expert offsets live in shared memory for the tile walk (one round of loads per CTA instead of one
 # dependent round per 32 experts); the interface declines more local experts than this.
 MAX_EXPERTS = 1024
+# L2 cache policies for TMA loads (createpolicy.fractional with fraction 1.0, CUTLASS's CacheHintSm90).
+L2_EVICT_NORMAL = 0x1000000000000000
+L2_EVICT_FIRST = 0x12F0000000000000
 OFFSETS_BYTES = 4 * (MAX_EXPERTS + 4)
 
 
@@ -257,11 +263,28 @@ class MoeGemmSm90:
                 sOff[i] = vals[j]
 
     @cute.jit
-    def _load_weights(self, tma_b0, tBgB0, tBsB0, tma_b1, tBgB1, tBsB1, n_tile, kt, e, index, bar):
-        """TMA of k-tile kt of expert e's weight tile n_tile (every B part) into stage `index`."""
-        cute.copy(tma_b0, tBgB0[(None, n_tile, kt, e)], tBsB0[(None, index)], tma_bar_ptr=bar)
-        if const_expr(self.num_parts == 2):
-            cute.copy(tma_b1, tBgB1[(None, n_tile, kt, e)], tBsB1[(None, index)], tma_bar_ptr=bar)
+    def _load_weights(self, tma_b0, tBgB0, tBsB0, tma_b1, tBgB1, tBsB1, n_tile, kt, e, index, bar, policy):
+        """TMA of k-tile kt of expert e's weight tile n_tile (every B part) into stage `index`; with
+        64-row tiles under L2 policy `policy` (_weight_policy), with 128-row tiles with none."""
+        for tma, tBgB, tBsB in ((tma_b0, tBgB0, tBsB0), (tma_b1, tBgB1, tBsB1))[: self.num_parts]:
+            if const_expr(self.tile_m == 64):
+                cute.copy(tma, tBgB[(None, n_tile, kt, e)], tBsB[(None, index)], tma_bar_ptr=bar, cache_policy=policy)
+            else:
+                cute.copy(tma, tBgB[(None, n_tile, kt, e)], tBsB[(None, index)], tma_bar_ptr=bar)
+
+    @cute.jit
+    def _weight_policy(self, e_tiles: Int32, n_tiles: Int32) -> Int64:
+        """The L2 policy for the weights of an expert with e_tiles tiles, in a 64-row (weight streaming)
+        kernel: evict first when the expert has one m-tile, as no other tile reads these bytes and
+        keeping them only pushes out of L2 the rows this GEMM re-reads and the output the next kernel
+        reads (qwen3 M = 16 and 128 2.4% and 3.0% faster, mixtral M = 128 1.4%; bench/NOTES.md v17);
+        normal when its other m-tiles read them from L2 (evict first for every expert cost mixtral
+        M = 1024 4%). 128-row kernels load without a policy: experts of several m-tiles are their
+        common case, and with these policies qwen3 M = 1024 and deepseek M = 8192 read 1% slower."""
+        policy = Int64(L2_EVICT_NORMAL)
+        if e_tiles == n_tiles:
+            policy = Int64(L2_EVICT_FIRST)
+        return policy
 
     @cute.jit
     def _early_weights(self, pipe_b, tma_b0, tBgB0, tBsB0, tma_b1, tBgB1, tBsB1, sOff, num_experts, n_tiles, k_tiles) -> Int32:
@@ -277,7 +300,10 @@ class MoeGemmSm90:
             early = cutlass.min(k_tiles, self.num_stages)
             for kt in range(early):
                 pipe_b.producer_acquire(state)
-                self._load_weights(tma_b0, tBgB0, tBsB0, tma_b1, tBgB1, tBsB1, n_tile, kt, e, state.index, pipe_b.producer_get_barrier(state))
+                self._load_weights(
+                    tma_b0, tBgB0, tBsB0, tma_b1, tBgB1, tBsB1, n_tile, kt, e, state.index,
+                    pipe_b.producer_get_barrier(state), self._weight_policy(e_tiles, n_tiles),
+                )  # fmt: skip
                 state.advance()
         return early
 
@@ -438,6 +464,7 @@ class MoeGemmSm90:
                     while e < num_experts:
                         if tile < base + e_tiles:
                             n_tile, row0, rows_left = self._tile_coords(sOff, e, tile - base, e_tiles, n_tiles)
+                            policy = self._weight_policy(e_tiles, n_tiles)
                             # The tile's A rows start at row0, which need not be a multiple of tile_m.
                             gA = cute.local_tile(cute.domain_offset((row0, 0), gA_full), (self.tile_m, self.tile_k), (0, None))
                             tAsA, tAgA = cpasync.tma_partition(
@@ -447,7 +474,7 @@ class MoeGemmSm90:
                                 bar = pipe_b.producer_get_barrier(state_b)
                                 if kt >= early:
                                     pipe_b.producer_acquire(state_b)
-                                    self._load_weights(tma_b0, tBgB0, tBsB0, tma_b1, tBgB1, tBsB1, n_tile, kt, e, state_b.index, bar)
+                                    self._load_weights(tma_b0, tBgB0, tBsB0, tma_b1, tBgB1, tBsB1, n_tile, kt, e, state_b.index, bar, policy)
                                 # An early k-tile's barrier already expects A's bytes too.
                                 cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state_b.index)], tma_bar_ptr=bar)
                                 state_b.advance()
@@ -478,6 +505,7 @@ class MoeGemmSm90:
                 while e < num_experts:
                     if tile < base + e_tiles:
                         n_tile, row0, rows_left = self._tile_coords(sOff, e, tile - base, e_tiles, n_tiles)
+                        policy = self._weight_policy(e_tiles, n_tiles)
                         dead = Int32(0)  # bit i: row i of this thread is past the expert (source row 0, zero-filled)
                         for i in cutlass.range_constexpr(rows_per_thread):
                             r = row_in + 16 * i
@@ -495,7 +523,7 @@ class MoeGemmSm90:
                                 if kt >= early:
                                     pipe_b.producer_acquire(state_b)
                                     bar = pipe_b.producer_get_barrier(state_b)
-                                    self._load_weights(tma_b0, tBgB0, tBsB0, tma_b1, tBgB1, tBsB1, n_tile, kt, e, state_b.index, bar)
+                                    self._load_weights(tma_b0, tBgB0, tBsB0, tma_b1, tBgB1, tBsB1, n_tile, kt, e, state_b.index, bar, policy)
                             for i in cutlass.range_constexpr(rows_per_thread):
                                 # Dead rows: cp.async with source size 0 (zero-fill; the module docstring).
                                 live[0] = (dead >> i) & 1 == 0

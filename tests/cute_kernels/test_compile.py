@@ -1,6 +1,6 @@
 """Every kernel variant the fused ops can request compiles for sm_90a on this (CPU-only) machine, and
 its generated code has the facts the design relies on: WGMMA for the GEMMs, TMA
-(cp.async.bulk.tensor) for the weights and for GEMM2's rows in 128-row tiles, cp.async for the
+(cp.async.bulk.tensor, with an L2 policy in 64-row kernels) for the weights and for GEMM2's rows in 128-row tiles, cp.async for the
 other rows, no local memory or spills (ptxas -v for sm_90a), shared memory within the 227 KB an
 sm_90 block may use, and no global memory access before griddepcontrol.wait (they launch as
 programmatic dependents)."""
@@ -20,7 +20,7 @@ cutlass = pytest.importorskip("cutlass")
 
 from cute_kernels import compile as cc  # noqa: E402
 from cute_kernels import interface  # noqa: E402
-from cute_kernels.moe_gemm import SMEM_CAPACITY, MoeGemmSm90  # noqa: E402
+from cute_kernels.moe_gemm import L2_EVICT_FIRST, SMEM_CAPACITY, MoeGemmSm90  # noqa: E402
 from cute_kernels.token_sum import TokenSumSm90  # noqa: E402
 
 import cutlass.cute as cute  # noqa: E402
@@ -93,6 +93,10 @@ def test_moe_gemm_variant(variant, tmp_path):
     # Weights by TMA (the compiler may duplicate the load loop's body, so count per part).
     tma = ptx.count("cp.async.bulk.tensor.3d.shared::cta.global")
     assert tma >= kernel.num_parts and tma % kernel.num_parts == 0
+    # 64-row kernels may load weights as evict-first (for experts of one m-tile, chosen at run time);
+    # 128-row kernels keep the DSL's default policy (0) on every load.
+    evict_first = re.search(rf"\b({L2_EVICT_FIRST}|0x0*{L2_EVICT_FIRST:X})\b", ptx[ptx.index(".entry"):], flags=re.I)
+    assert bool(evict_first) == (kernel.tile_m == 64), kernel.tile_m
     if not kernel.tma_a:
         # Rows by 16-byte cp.async completing on an mbarrier; rows past the expert are zero-filled:
         # the cp.async takes a source size (16 or 0) from a register.
