@@ -9,10 +9,10 @@ program waits on another). A pair p with key e (its local expert, E for a droppe
 Two kernels compute it, chosen by the number of pairs P = M*k (launch_config):
 - by keys (P <= 16384): one program per key e in 0..E scans all P keys twice, once summing key < e (the
   offset of e) and once numbering its own pairs with a running prefix sum. Only comparisons, sums and
-  one scan per chunk: 1.5-3.4 µs up to P = 1024 on an H200, where the blocks kernel took 2.4-13 µs.
+  one scan per chunk: 1.3-3.4 µs up to P = 1024 on an H200, where the blocks kernel took 2.1-13 µs.
 - by blocks (larger P): programs split the pairs into blocks; each histograms all P keys (the first
-  term, and the second for pairs before its block) and ranks its block's pairs by sorting them. Its
-  work per program grows with P and the bins but not with E programs' scans, so it wins from P = 32768.
+  term, and the second for pairs before its block) and ranks its block's pairs by sorting them. From
+  P = 32768 that costs less than each key's two scans of all P keys (bench/NOTES.md, v17).
 """
 from __future__ import annotations
 
