@@ -33,21 +33,29 @@ INTERPRETER_CASES = [
     (0, 2, 8, False, "blocks:128:128"),
 ]
 
+
+
+def plan_launch(spec: str | None, num_warps: int = 4):
+    """The PlanLaunch written as "keys:CHUNK" or "blocks:BLOCK:SCAN"; None (or "None") for launch_config's."""
+    from moe_ops.plan_kernel import PlanLaunch
+
+    if spec in (None, "None"):
+        return None
+    method, *sizes = spec.split(":")
+    fields = {"keys": ("chunk",), "blocks": ("block", "scan")}[method]
+    return PlanLaunch(method, num_warps, **{name: int(v) for name, v in zip(fields, sizes)})
+
+
 _SCRIPT = textwrap.dedent(
     """
     import sys, torch
     from moe_ops.plan import routing_plan
-    from moe_ops.plan_kernel import PlanLaunch, routing_plan_triton
+    from moe_ops.plan_kernel import routing_plan_triton
+    from tests.moe_ops.test_plan_kernel import plan_launch
     seed, m, k, e, kind, launch = sys.argv[1:]
     torch.manual_seed(int(seed))
     m, k, e = int(m), int(k), int(e)
-    if launch == "None":
-        launch = None
-    elif launch.startswith("keys:"):
-        launch = PlanLaunch("keys", 4, chunk=int(launch.split(":")[1]))
-    else:
-        _, block, scan = launch.split(":")
-        launch = PlanLaunch("blocks", 4, block=int(block), scan=int(scan))
+    launch = plan_launch(launch)
     emap = None
     if kind == "True":
         # Remote experts (-1) in the map, and ids beyond it (dropped as out of range).
@@ -107,14 +115,11 @@ def test_cuda_plan_is_one_launch_and_matches_reference(m, k, e, with_map):
 @pytest.mark.parametrize("launch", ["keys:16", "keys:4096", "blocks:256:1024", "blocks:2048:16384"])
 def test_cuda_plan_both_kernels_match_reference(m, k, e, launch):
     """Either kernel, forced with chunks and blocks far from launch_config's choice, equals the reference."""
-    from moe_ops.plan_kernel import PlanLaunch, routing_plan_triton
+    from moe_ops.plan_kernel import routing_plan_triton
 
-    method, *sizes = launch.split(":")
-    sizes = [int(v) for v in sizes]
-    plan_launch = PlanLaunch("keys", 4, chunk=sizes[0]) if method == "keys" else PlanLaunch("blocks", 8, block=sizes[0], scan=sizes[1])
     ids = torch.randint(0, e, (m, k), dtype=torch.int32)
     want = routing_plan(ids, e, None)
-    got = routing_plan_triton(ids.cuda(), e, None, plan_launch)
+    got = routing_plan_triton(ids.cuda(), e, None, plan_launch(launch, num_warps=4 if launch.startswith("keys") else 8))
     for a, b in zip(want, got):
         assert torch.equal(a, b.cpu())
 
