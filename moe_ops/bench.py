@@ -11,8 +11,9 @@ Median of many replays after warm-up, each timed alone (events around one replay
 replay also counts the host's graph launch: the "floor" (a graph of one tiny kernel, measured in the
 same run) is that cost, and "% SoL max" = SoL / (SoL + floor) is what a layer that streamed at the
 copy rate with no gap between kernels would reach. "launches" counts the kernels one call of our
-layer runs (the profiler, outside the graph). Writes results.md, results.json and results.png to
-bench/results/<gpu-name>/ (or --out).
+layer runs (the profiler, outside the graph). Writes results.md (the table, then issue 5's targets met
+or missed: bench_targets.py), results.json and results.png to bench/results/<gpu-name>/ (or --out);
+`--check RESULTS_JSON` prints the targets of an earlier run.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from .bench_targets import report
 
 SHAPES = {
     "mixtral": (8, 2, 4096, 14336),
@@ -330,7 +333,11 @@ def main(argv=None) -> int:
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--out", type=Path, default=None, help="default: bench/results/<gpu-name>/")
     parser.add_argument("--compile-times", action="store_true", help="only time a fresh process's start per shape, cold and from the disk caches")
+    parser.add_argument("--check", type=Path, default=None, metavar="RESULTS_JSON", help="only print issue 5's targets for an earlier run's results.json (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.check is not None:
+        print(report(json.loads(args.check.read_text())))
+        return 0
     if not torch.cuda.is_available():
         print("moe_ops.bench needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -345,7 +352,7 @@ def main(argv=None) -> int:
     records = run(args.shapes, args.tokens, args.replays)
     out = args.out or Path("bench/results") / torch.cuda.get_device_name().replace(" ", "-")
     out.mkdir(parents=True, exist_ok=True)
-    text = table(records)
+    text = table(records) + "\n\n" + report(records)
     cmd = "python -m moe_ops.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     (out / "results.md").write_text(f"Command: `{cmd.strip()}`\n\n{text}\n")
     (out / "results.json").write_text(json.dumps(records, indent=1))

@@ -1,0 +1,106 @@
+"""moe_ops.bench_targets on synthetic benchmark records (CPU): each target is met by a run built to meet
+it and missed, naming the point, by a run that misses it at one point."""
+import json
+import math
+import random
+
+import pytest
+
+from moe_ops import bench
+from moe_ops.bench_targets import MATMUL_TARGET, PEERS, check, report, vs_best_peer
+
+RATE = 790e12
+
+
+def run_records(factor: float, seed: int = 0) -> list[dict]:
+    """A run at every peer point where our ratio to torch is `factor` times the best peer's, at 90-99%
+    of SoL, 70-90% of RATE at M = 8192 and 4 launches; torch times are random (the check must not
+    depend on them)."""
+    rng = random.Random(seed)
+    records = []
+    for (shape, m), (t, tri, son) in PEERS.items():
+        torch_us = rng.uniform(50, 20000)
+        ours_us = torch_us / (factor * t / min(tri, son))
+        tflops = rng.uniform(0.70, 0.90) * RATE / 1e12 if m == 8192 else 1.0
+        records.append(dict(
+            shape=shape, M=m, torch_us=torch_us, ours_us=ours_us, pct_sol=rng.uniform(90, 99), pct_sol_max=99.0,
+            tflops=tflops, matmul_flops=RATE, launches=4, gpu="NVIDIA H200",
+        ))  # fmt: skip
+    return records
+
+
+def test_a_run_that_meets_every_target():
+    out = check(run_records(1.3))
+    assert len(out) == 5 and all(v.met for v in out), out
+    assert "1.300x over 20 of 20" in out[1].detail
+
+
+def test_geomean_is_over_the_points():
+    records = run_records(1.3, seed=1)
+    # Half the points at 1.1x, half at 1.5x: the geometric mean is sqrt(1.65) = 1.285x.
+    for i, r in enumerate(records):
+        r["ours_us"] *= 1.3 / (1.1 if i % 2 else 1.5)
+    assert [vs_best_peer(r) for r in records[:2]] == pytest.approx([1.5, 1.1])
+    mean = next(v for v in check(records) if v.target.startswith("geometric"))
+    assert mean.met and f"{math.sqrt(1.1 * 1.5):.3f}x" in mean.detail
+    for r in records:
+        r["ours_us"] *= 1.03  # every ratio 3% lower: 1.247x
+    assert not next(v for v in check(records) if v.target.startswith("geometric")).met
+
+
+@pytest.mark.parametrize(
+    "point, change, target, named",
+    [
+        (("deepseek-v3", 128), dict(ours_us=lambda us: 2 * us), "ahead", "deepseek-v3 M=128 0.650x"),
+        (("qwen3-30b-a3b", 1), dict(pct_sol=lambda _: 40.0), ">=", "qwen3-30b-a3b M=1 40%"),
+        (("gpt-oss-120b", 8192), dict(tflops=lambda _: 0.5 * RATE / 1e12), "M =", "gpt-oss-120b 50% (needs 60%)"),
+        (("mixtral", 16), dict(launches=lambda _: 5), "<=", "mixtral M=16 5"),
+    ],
+)
+def test_one_point_missing_a_target_is_named(point, change, target, named):
+    records = run_records(1.3)
+    r = next(r for r in records if (r["shape"], r["M"]) == point)
+    for field, new in change.items():
+        r[field] = new(r[field])
+    out = check(records)
+    missed = [v for v in out if not v.met]
+    assert [v.target[: len(target)] for v in missed] == [target], out
+    assert named in missed[0].detail
+
+
+def test_large_m_needs_each_shapes_fraction():
+    records = run_records(1.3)
+    for r in records:
+        if r["M"] == 8192:
+            r["tflops"] = (MATMUL_TARGET[r["shape"]] + 0.001) * RATE / 1e12
+    assert all(v.met for v in check(records))
+    mixtral = next(r for r in records if (r["shape"], r["M"]) == ("mixtral", 8192))
+    mixtral["tflops"] = 0.74 * RATE / 1e12  # enough for a fine-grained shape, not for mixtral
+    assert not next(v for v in check(records) if v.target.startswith("M =")).met
+
+
+def test_a_partial_run_has_no_geomean_verdict_met():
+    records = [r for r in run_records(1.3) if r["shape"] == "mixtral"]
+    mean = next(v for v in check(records) if v.target.startswith("geometric"))
+    assert not mean.met and "over 5 of 20" in mean.detail
+
+
+def test_report_warns_when_the_gpu_is_not_the_peers():
+    records = run_records(1.3)
+    assert "not the issue's comparison" not in report(records)
+    for r in records:
+        r["gpu"] = "NVIDIA H100 80GB HBM3"
+    assert "not the issue's comparison" in report(records)
+
+
+def test_no_records_is_an_error():
+    with pytest.raises(ValueError, match="records"):
+        check([])
+
+
+def test_check_flag_reports_a_saved_run(tmp_path, capsys):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(run_records(0.9)))
+    assert bench.main(["--check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "MISSED: ahead of the best peer" in out and "0.900x" in out
