@@ -2,33 +2,24 @@
 benchmark's shapes and token counts: launch_config's choice, and each kernel at its own default
 (keys: the whole plan in 4096-pair chunks, 8 warps; blocks: _blocks_config). Each launch is first
 checked bit for bit against the reference (moe_ops.plan's torch code), then timed in a CUDA graph of
-40 launches (median of 15 replays, µs per launch). The data behind plan_kernel.launch_config and
+40 launches (median of 15 replays after 5 untimed, µs per launch). The data behind plan_kernel.launch_config and
 KEYS_MAX_PAIRS (bench/NOTES.md v17, v18). Prints a markdown table."""
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from moe_ops import plan_kernel
-from moe_ops.bench import SHAPES, TOKENS, capture, layer_inputs
+from moe_ops.bench import SHAPES, TOKENS, graph_time_us, layer_inputs
 from moe_ops.plan import routing_plan
 
 LAUNCHES = 40
 
 
 def per_launch_us(fn, replays: int = 15) -> float:
-    graph = capture(lambda: [fn() for _ in range(LAUNCHES)])
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / LAUNCHES)
-    return statistics.median(times)
+    """µs per launch: the median replay of a graph of LAUNCHES calls of fn(), over LAUNCHES."""
+    return graph_time_us(lambda: [fn() for _ in range(LAUNCHES)], replays) / LAUNCHES
 
 
 def main(argv=None) -> None:
