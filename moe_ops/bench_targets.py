@@ -110,10 +110,11 @@ def check(records: list[dict]) -> list[Verdict]:
 def report(records: list[dict]) -> str:
     """Markdown: a line per target (met or missed, with its numbers), and a caveat when the run's GPU is
     not the one the peers were measured on."""
+    verdicts = check(records)
     lines = ["Issue 5's targets (moe_ops/bench_targets.py):", ""]
-    gpu = records[0]["gpu"] if records else "?"
+    gpu = records[0]["gpu"]
     if gpu != PEER_GPU:
         lines += [f"The peers were measured on an {PEER_GPU}, this run on an {gpu}: the peer ratios are not the issue's comparison.", ""]
-    for v in check(records):
+    for v in verdicts:
         lines.append(f"- {'met' if v.met else 'MISSED'}: {v.target}. {v.detail}")
     return "\n".join(lines)
