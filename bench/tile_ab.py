@@ -2,9 +2,13 @@
 with each given tile forced for one GEMM (LAYOUT "none" is GEMM2; GEMM1 is "concat" in the
 benchmark's SiLU layer, every shape), all captured as CUDA graphs in this one process and replayed in interleaved rounds, so the
 variants share the machine, its clocks and the memory layout (bench/NOTES.md v14, item 3).
-Prints the median and quartiles of each variant's replay times in µs.
+Prints the median and quartiles of each variant's replay times in µs. A variant may be any tile the
+kernel builds (a B part of 48, 64, 96, 128 or 256 rows), not only those choose_tiles can pick.
+--in-graph: each variant is a graph of GRAPH_CALLS calls with their own inputs, timed per call, as
+`python -m moe_ops.bench`'s "in graph" column.
 
     python bench/tile_ab.py gpt-oss-120b 1024 none:64x256 none:64x128
+    python bench/tile_ab.py gpt-oss-120b 1 concat:64x192 --in-graph
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ import torch
 import lowering
 from cute_kernels import interface
 from moe_ops import fused_experts
-from moe_ops.bench import SHAPES, capture, expert_weights, layer_inputs, replay_times_us
+from cute_kernels.moe_gemm import PART_ROWS
+from moe_ops.bench import SHAPES, capture, expert_weights, graph_inputs, layer_inputs, replay_times_us
 
 
 def parse_variant(text: str) -> tuple[str, tuple[int, int]]:
@@ -25,8 +30,12 @@ def parse_variant(text: str) -> tuple[str, tuple[int, int]]:
     if layout not in interface.TILE_N or not (tm.isdigit() and tn.isdigit()):
         raise argparse.ArgumentTypeError(f"variant {text!r}: expected LAYOUT:MxN with LAYOUT in {sorted(interface.TILE_N)}")
     variant = (layout, (int(tm), int(tn)))
-    if variant[1] not in interface.tile_shapes(layout):
-        raise argparse.ArgumentTypeError(f"variant {text!r}: {layout} tiles are {interface.tile_shapes(layout)}")
+    parts = 2 if layout == "concat" else 1
+    if variant[1][0] not in (64, 128) or variant[1][1] % parts or variant[1][1] // parts not in PART_ROWS:
+        raise argparse.ArgumentTypeError(
+            f"variant {text!r}: tile_m must be 64 or 128 and tile_n {parts} part(s) of {PART_ROWS} rows; "
+            f"the rule's {layout} tiles are {interface.tile_shapes(layout)}"
+        )
     return variant
 
 
@@ -45,10 +54,11 @@ def main(argv=None) -> None:
     parser.add_argument("tokens", type=int)
     parser.add_argument("variants", nargs="*", type=parse_variant)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--in-graph", action="store_true", help="time per call in graphs of many calls")
     args = parser.parse_args(argv)
     lowering.install()
     w13, w2 = expert_weights(args.shape)
-    x, tw, ids = layer_inputs(args.shape, args.tokens)
+    sets = graph_inputs(args.shape, args.tokens) if args.in_graph else [layer_inputs(args.shape, args.tokens)]
     layer = torch.compile(fused_experts, fullgraph=True, dynamic=True)
     rule = interface.choose_tiles
     graphs, asked = [], []
@@ -63,17 +73,19 @@ def main(argv=None) -> None:
                     return seen[layout]
 
                 interface.choose_tiles = forced
-                graphs.append(capture(lambda: layer(x, w13, w2, tw, ids)))
+                graphs.append(capture(lambda: [layer(x, w13, w2, tw, ids) for x, tw, ids in sets]))
                 if variant is not None and variant[0] not in seen:
                     raise SystemExit(f"variant {variant[0]}: the layer's GEMMs ask for the layouts {sorted(seen)}; it would time the rule")
                 asked.append(seen)
     finally:
         interface.choose_tiles = rule
     print(torch.cuda.get_device_name(), torch.__version__, f"{args.shape} M={args.tokens}, rule: {asked[0]}")
+    per = f" per call of a graph of {len(sets)}" if args.in_graph else ""
     for variant, t in zip([None, *args.variants], interleaved_times(graphs, args.rounds, 5)):
+        t = [us / len(sets) for us in t]
         q1, _, q3 = statistics.quantiles(t, n=4)
         name = "rule" if variant is None else f"{variant[0]}:{variant[1][0]}x{variant[1][1]}"
-        print(f"{name}: {statistics.median(t):.0f} µs (quartiles {q1:.0f}-{q3:.0f})")
+        print(f"{name}: {statistics.median(t):.1f} µs{per} (quartiles {q1:.1f}-{q3:.1f})")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,8 @@ MAX_EXPERTS = 1024
 L2_EVICT_NORMAL = 0x1000000000000000
 L2_EVICT_FIRST = 0x12F0000000000000
 OFFSETS_BYTES = 4 * (MAX_EXPERTS + 4)
+# B rows per part of a tile (tile_n / parts): each consumer warpgroup's WGMMA takes half of them.
+PART_ROWS = (48, 64, 96, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -156,13 +158,19 @@ class MoeGemmSm90:
         self.tile_m = tile_m
         self.num_parts = 2 if epilogue.gate_layout == "concat" else 1
         self.part_n = tile_n // self.num_parts
-        if self.part_n not in (48, 64, 96, 128, 256):
-            raise ValueError(f"tile_n={tile_n} gives {self.part_n} rows per B part; allowed: 48, 64, 96, 128, 256")
+        if self.part_n not in PART_ROWS:
+            raise ValueError(f"tile_n={tile_n} gives {self.part_n} rows per B part; allowed: {', '.join(map(str, PART_ROWS))}")
         # Consumer warpgroups along (M, N): each runs m64 WGMMAs over its share of the columns.
         self.wg_grid = (2, 1) if tile_m == 128 else (1, 2)
         # Output columns per tile, and per consumer warpgroup.
         self.out_n = self.part_n // 2 if epilogue.gate_layout == "interleaved" else self.part_n
         self.wg_out_n = self.out_n // self.wg_grid[1]
+        if self.staged and self.wg_out_n % 32:
+            # _store_staged writes whole 32-column pieces of an n_out that is a multiple of 64.
+            raise ValueError(
+                f"tile_n={tile_n} with tile_m={tile_m} gives each warpgroup {self.wg_out_n} columns; without gather "
+                "(staged stores) that must be a multiple of 32"
+            )
         # 16-bit operands: A tile + B parts per stage; the rest of shared memory is the epilogue's
         # staging buffers and barriers.
         stage_bytes = (self.tile_m + self.num_parts * self.part_n) * self.tile_k * 2

@@ -160,6 +160,19 @@ def test_early_weights_only_without_gather():
         MoeGemmSm90(Epilogue("silu", "concat"), gather=True, early_weights=True)
 
 
+def test_tiles_the_kernel_cannot_store_are_refused():
+    """GEMM2's staged stores write 32-column pieces: a 64x96 tile (48 columns per warpgroup) would
+    write past n_out, so it is refused before anything compiles; GEMM1 (masked stores) takes it."""
+    from cute_kernels.moe_gemm import Epilogue
+
+    with pytest.raises(ValueError, match="48 columns.*multiple of 32"):
+        MoeGemmSm90(Epilogue("none", "none"), tile_m=64, tile_n=96, gather=False)
+    with pytest.raises(ValueError, match="rows per B part; allowed"):
+        MoeGemmSm90(Epilogue("silu", "concat"), tile_m=64, tile_n=176, gather=True)
+    MoeGemmSm90(Epilogue("silu", "concat"), tile_m=64, tile_n=96, gather=True)
+    MoeGemmSm90(Epilogue("none", "none"), tile_m=64, tile_n=64, gather=False)
+
+
 def test_too_many_experts_declined():
     """The offsets table in shared memory holds MAX_EXPERTS + 1 entries: more experts are declined with
     the reason (the lowering then runs the reference), and a direct launch raises before any work."""
