@@ -12,7 +12,7 @@ replay also counts the host's graph launch: the "floor" (a graph of one tiny ker
 same run) is that cost, and "% SoL max" = SoL / (SoL + floor) is what a layer that streamed at the
 copy rate with no gap between kernels would reach. A model captured whole pays that launch once per
 step, not per layer, so the layer is also timed inside a graph of GRAPH_CALLS calls, each with its own
-inputs, back to back ("in graph": the replay's median over GRAPH_CALLS): the time a layer adds to a
+inputs, back to back ("in graph": the replay median divided by GRAPH_CALLS): the time a layer adds to a
 captured model's step. Where M*k <= E/4 consecutive calls route to disjoint experts, so that no call
 finds the previous call's weights in L2 (at larger M a call's weights exceed L2 many times over).
 "launches" counts the kernels one call of our layer runs (the profiler, outside the graph). Writes results.md (the table, then issue 5's targets met
