@@ -291,12 +291,10 @@ def run(shapes, tokens, replays: int) -> list[dict]:
                 graph_us = graph_time_us(lambda: [layer(xs, w13, w2, tw, ids) for xs, tw, ids in sets], replays) / len(sets)
             torch_us = graph_time_us(lambda: torch_grouped_mm_layer(x, w13, w2, topk_weights, topk_ids), replays)
             flops = 2 * m * k * 3 * i * h
-
-            def sol(active: int) -> float:
-                return max(active * 3 * i * h * 2 / bandwidth, flops / rate) * 1e6
-
+            expert_bytes = 3 * i * h * 2  # bf16 [gate; up] and down rows of one expert
+            sol = lambda active: max(active * expert_bytes / bandwidth, flops / rate) * 1e6  # noqa: E731
             active = active_experts(topk_ids)
-            weight_bytes = active * 3 * i * h * 2
+            weight_bytes = active * expert_bytes
             sol_us = sol(active)
             graph_sol_us = statistics.mean(sol(active_experts(ids)) for _, _, ids in sets)
             del sets
