@@ -1,14 +1,16 @@
-"""python bench/tile_ab.py SHAPE M [LAYOUT:MxN ...]: the compiled layer with choose_tiles' choice and
-with each given tile forced for one GEMM (LAYOUT "none" is GEMM2; GEMM1 is "concat" in the
-benchmark's SiLU layer, every shape), all captured as CUDA graphs in this one process and replayed in interleaved rounds, so the
-variants share the machine, its clocks and the memory layout (bench/NOTES.md v14, item 3).
-Prints the median and quartiles of each variant's replay times in µs. A variant may be any tile the
-kernel builds (a B part of 48, 64, 96, 128 or 256 rows), not only those choose_tiles can pick.
+"""python bench/tile_ab.py SHAPE M [LAYOUT:MxN[,LAYOUT:MxN] ...]: the compiled layer with choose_tiles'
+choice and with each given tile forced for one GEMM, or for both (LAYOUT "none" is GEMM2; GEMM1 is
+"concat" in the benchmark's SiLU layer, every shape), all captured as CUDA graphs in this one process
+and replayed in interleaved rounds, so the variants share the machine, its clocks and the memory
+layout (bench/NOTES.md v14, item 3). Prints the median and quartiles of each variant's replay times in
+µs. A variant may be any tile the kernel builds (tile_m 16, 64 or 128; a B part of 48, 64, 96, 128 or
+256 rows), not only those choose_tiles can pick.
 --in-graph: each variant is a graph of GRAPH_CALLS calls with their own inputs, timed per call, as
 `python -m moe_ops.bench`'s "in graph" column.
 
     python bench/tile_ab.py gpt-oss-120b 1024 none:64x256 none:64x128
     python bench/tile_ab.py gpt-oss-120b 1 concat:64x192 --in-graph
+    python bench/tile_ab.py qwen3-30b-a3b 1 concat:16x256,none:16x128 --in-graph
 """
 from __future__ import annotations
 
@@ -24,18 +26,22 @@ from cute_kernels.moe_gemm import PART_ROWS
 from moe_ops.bench import SHAPES, capture, expert_weights, graph_inputs, layer_inputs, replay_times_us
 
 
-def parse_variant(text: str) -> tuple[str, tuple[int, int]]:
-    layout, _, tile = text.partition(":")
-    tm, _, tn = tile.partition("x")
-    if layout not in interface.TILE_N or not (tm.isdigit() and tn.isdigit()):
-        raise argparse.ArgumentTypeError(f"variant {text!r}: expected LAYOUT:MxN with LAYOUT in {sorted(interface.TILE_N)}")
-    variant = (layout, (int(tm), int(tn)))
-    parts = 2 if layout == "concat" else 1
-    if variant[1][0] not in (64, 128) or variant[1][1] % parts or variant[1][1] // parts not in PART_ROWS:
-        raise argparse.ArgumentTypeError(
-            f"variant {text!r}: tile_m must be 64 or 128 and tile_n {parts} part(s) of {PART_ROWS} rows; "
-            f"the rule's {layout} tiles are {interface.tile_shapes(layout)}"
-        )
+def parse_variant(text: str) -> dict[str, tuple[int, int]]:
+    """{layout: (tile_m, tile_n)} from "LAYOUT:MxN[,LAYOUT:MxN]"."""
+    variant = {}
+    for item in text.split(","):
+        layout, _, tile = item.partition(":")
+        tm, _, tn = tile.partition("x")
+        if layout not in interface.TILE_N or not (tm.isdigit() and tn.isdigit()):
+            raise argparse.ArgumentTypeError(f"variant {text!r}: expected LAYOUT:MxN with LAYOUT in {sorted(interface.TILE_N)}")
+        tm, tn = int(tm), int(tn)
+        parts = 2 if layout == "concat" else 1
+        if tm not in (16, 64, 128) or tn % parts or tn // parts not in PART_ROWS:
+            raise argparse.ArgumentTypeError(
+                f"variant {text!r}: tile_m must be 16, 64 or 128 and tile_n {parts} part(s) of {PART_ROWS} rows; "
+                f"the rule's {layout} tiles are {interface.tile_shapes(layout)}"
+            )
+        variant[layout] = (tm, tn)
     return variant
 
 
@@ -69,13 +75,13 @@ def main(argv=None) -> None:
 
                 # The custom ops ask choose_tiles at each call, so the forced tile is what gets captured.
                 def forced(layout, *rest, variant=variant, seen=seen):
-                    seen[layout] = variant[1] if variant is not None and layout == variant[0] else rule(layout, *rest)
+                    seen[layout] = variant[layout] if variant is not None and layout in variant else rule(layout, *rest)
                     return seen[layout]
 
                 interface.choose_tiles = forced
                 graphs.append(capture(lambda: [layer(x, w13, w2, tw, ids) for x, tw, ids in sets]))
-                if variant is not None and variant[0] not in seen:
-                    raise SystemExit(f"variant {variant[0]}: the layer's GEMMs ask for the layouts {sorted(seen)}; it would time the rule")
+                if variant is not None and not set(variant) <= set(seen):
+                    raise SystemExit(f"variant {sorted(variant)}: the layer's GEMMs ask for the layouts {sorted(seen)}; it would time the rule")
                 asked.append(seen)
     finally:
         interface.choose_tiles = rule
@@ -84,7 +90,7 @@ def main(argv=None) -> None:
     for variant, t in zip([None, *args.variants], interleaved_times(graphs, args.rounds, 5)):
         t = [us / len(sets) for us in t]
         q1, _, q3 = statistics.quantiles(t, n=4)
-        name = "rule" if variant is None else f"{variant[0]}:{variant[1][0]}x{variant[1][1]}"
+        name = "rule" if variant is None else ",".join(f"{layout}:{tm}x{tn}" for layout, (tm, tn) in variant.items())
         print(f"{name}: {statistics.median(t):.1f} µs{per} (quartiles {q1:.1f}-{q3:.1f})")
 
 

@@ -42,6 +42,12 @@ TILE_N = {"concat": (256, 128), "interleaved": (256, 128), "none": (256, 128, 64
 # to be split into 32-column chunks.
 STREAM_TILE_N = {"concat": (256, 128, 96), "interleaved": (256, 128, 96), "none": (256, 128, 64)}
 FEW_WAVES = 2
+# Swapped operands (weights on WGMMA's M side, 16 tokens on its N side; MoeGemmSm90 with tile_m 16):
+# its one tile per layout, and the layouts it serves (interleaved gate/up pairs would sit in different
+# threads' accumulators).
+SWAP_TILE = (16, 128)
+SWAP_LAYOUTS = ("concat", "none")
+SWAP_ROWS = 16
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -66,10 +72,19 @@ def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int,
     SM; for the gated GEMM1, whose tiles make tile_n / 2 output columns, it is half of it, and the
     choices were measured against that count (GEMM1 and GEMM2 alone at M = 1 on an H200: kernel
     durations, bench/NOTES.md v12, gpt-oss GEMM1 tile_n 128 -> 96, 41.4 -> 36.6 µs, qwen3 GEMM2
-    64 -> 128, 9.6 -> 7.5; CUDA-graph replays, v9, mixtral GEMM1 128 -> 256, 127.8 -> 118.3)."""
+    64 -> 128, 9.6 -> 7.5; CUDA-graph replays, v9, mixtral GEMM1 128 -> 256, 127.8 -> 118.3).
+    Before all that: SWAP_TILE (weights as WGMMA's M, 16 tokens as its N) while an expert averages at
+    most SWAP_ROWS rows and its tiles (kernel tiles, 64 output columns each for the gated layouts,
+    128 otherwise) fill at least FEW_WAVES waves; not for interleaved gates (bench/NOTES.md v20: a
+    64-row tile re-reads its mostly empty A tile from shared memory in every WGMMA, which caps what
+    one CTA streams; with fewer tiles than that the finer 64-row tiles win)."""
     pairs = m * k
-    tile_m = 64 if pairs < 64 * num_experts else 128
     active = max(1, min(num_experts, pairs))
+    if gate_layout in SWAP_LAYOUTS and _cdiv(pairs, active) <= SWAP_ROWS:
+        tiles = active * _cdiv(_cdiv(pairs, active), SWAP_TILE[0]) * _cdiv(n_out, 64 if gate_layout == "concat" else 128)
+        if tiles >= FEW_WAVES * sms:
+            return SWAP_TILE
+    tile_m = 64 if pairs < 64 * num_experts else 128
     m_tiles = active * _cdiv(_cdiv(pairs, active), tile_m)
     waves = lambda tile_n: m_tiles * _cdiv(n_out, tile_n) / sms  # noqa: E731
     if gate_layout != "none":
@@ -255,7 +270,8 @@ def variants(dtype=torch.bfloat16, bias_dtypes=(None,)):
 
 def tile_shapes(gate_layout: str) -> list[tuple[int, int]]:
     """The (tile_m, tile_n) choose_tiles can return for a layout."""
-    return [(128, n) for n in TILE_N[gate_layout]] + [(64, n) for n in STREAM_TILE_N[gate_layout]]
+    swapped = [SWAP_TILE] if gate_layout in SWAP_LAYOUTS else []
+    return [(128, n) for n in TILE_N[gate_layout]] + [(64, n) for n in STREAM_TILE_N[gate_layout]] + swapped
 
 
 def precompile(dtype=torch.bfloat16, sms: int | None = None, bias_dtypes=(None,)) -> dict[str, tuple[str, float]]:

@@ -120,7 +120,14 @@ def _gated(kind: str, g, u, alpha: float, limit: float):
 class MoeGemmSm90:
     """See the module docstring. tile_n: B rows per tile over all parts (64 to 256). tile_m: 128 rows
     (the two consumer warpgroups take 64 rows each) or 64 (they split the tile's columns instead:
-    for experts with few rows, half the A tile per stage, so more stages of weights in flight)."""
+    for experts with few rows, half the A tile per stage, so more stages of weights in flight), or
+    16: swapped operands, the weights as WGMMA's A (64 rows per consumer warpgroup, its M) and the
+    16 token rows as its B (N = 16). A 64-row tile with one live row still has each WGMMA read its
+    whole A tile from shared memory, which caps what one CTA streams (bench/NOTES.md v20: a CTA
+    without WGMMAs streamed 1.7-2.9x faster); swapped, the weights are read once and the tokens are
+    256 bytes per WGMMA. tile_n is then 128: [gate; up] as two 64-row parts, one per warpgroup (the
+    up warpgroup hands its accumulators to the gate one through shared memory), or 128 rows split
+    between the two; interleaved gate/up pairs would land in different threads and are refused."""
 
     tile_k = 64
     num_consumer_wgs = 2
@@ -137,7 +144,9 @@ class MoeGemmSm90:
         # Epilogue stores staged through shared memory (16-byte, row-contiguous) for GEMM2 (no gather)
         # only. Same-run A/B on an H200 (bench/NOTES.md, v2): GEMM2 at M = 8192 10-18% faster; GEMM1
         # mixed (-8% to +10%).
-        self.staged = not gather
+        # tile_m 16: A and B swapped (see the class docstring); its stores are direct.
+        self.swap = tile_m == 16
+        self.staged = not gather and not self.swap
         if 128 * (self.producer_regs + self.num_consumer_wgs * self.consumer_regs) > 65536:
             raise ValueError("producer and consumer register budgets exceed the 64K-register file")
         self.epi = epilogue
@@ -153,15 +162,24 @@ class MoeGemmSm90:
             raise ValueError("early_weights=True with gather=True: GEMM1 needs the routing plan's offsets before loading weights")
         self.early_b = early_weights
         self.num_sms = num_sms
-        if tile_m not in (64, 128):
-            raise ValueError(f"tile_m={tile_m}; allowed: 64, 128")
+        if tile_m not in (16, 64, 128):
+            raise ValueError(f"tile_m={tile_m}; allowed: 16, 64, 128")
         self.tile_m = tile_m
         self.num_parts = 2 if epilogue.gate_layout == "concat" else 1
         self.part_n = tile_n // self.num_parts
         if self.part_n not in PART_ROWS:
             raise ValueError(f"tile_n={tile_n} gives {self.part_n} rows per B part; allowed: {', '.join(map(str, PART_ROWS))}")
-        # Consumer warpgroups along (M, N): each runs m64 WGMMAs over its share of the columns.
-        self.wg_grid = (2, 1) if tile_m == 128 else (1, 2)
+        # Swapped with [gate; up]: each consumer warpgroup multiplies one 64-row B part (wg_part), and the
+        # up warpgroup hands its accumulators to the gate one through shared memory for the epilogue.
+        self.wg_part = self.swap and self.num_parts == 2
+        if self.swap and (self.part_n != (64 if self.wg_part else 128) or epilogue.gate_layout == "interleaved"):
+            raise ValueError(
+                f"tile_m=16 (swapped operands) with tile_n={tile_n} and gate_layout {epilogue.gate_layout!r}: it needs "
+                "64 weight rows per consumer warpgroup (tile_n 128 with concat, 128 without a gate) and no interleaved gate"
+            )
+        # Consumer warpgroups along (M, N) of the MMA: with 128-row tiles 64 token rows each, with 64-row
+        # tiles half of the weight rows each (as WGMMA's N), swapped 64 weight rows each (as its M).
+        self.wg_grid = (1, 2) if tile_m == 64 else ((1, 1) if self.wg_part else (2, 1))
         # Output columns per tile, and per consumer warpgroup.
         self.out_n = self.part_n // 2 if epilogue.gate_layout == "interleaved" else self.part_n
         self.wg_out_n = self.out_n // self.wg_grid[1]
@@ -214,9 +232,11 @@ class MoeGemmSm90:
         mBias = cute.make_tensor(bias_ptr, cute.make_layout((num_experts, bias_stride), stride=(bias_stride, 1)))
         dtype = mA.element_type
         stages = self.num_stages
+        # Swapped: the MMA's M is 64 weight rows per warpgroup, its N the tile's 16 tokens.
+        mma_n = self.tile_m if self.swap else self.part_n // self.wg_grid[1]
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            (*self.wg_grid, 1), tiler_mn=(64, self.part_n // self.wg_grid[1]),
+            (*self.wg_grid, 1), tiler_mn=(64, mma_n),
         )  # fmt: skip
         a_atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dtype, self.tile_k), dtype
@@ -241,8 +261,10 @@ class MoeGemmSm90:
             bar_a: cute.struct.MemRange[cutlass.Int64, stages * 2]
             bar_b: cute.struct.MemRange[cutlass.Int64, stages * 2]
             sA: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sA_layout)], 1024]
-            sB0: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout)], 1024]
-            sB1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout) * (self.num_parts - 1) + 8], 1024]
+            # wg_part: both parts' rings in sB0, one after the other (a warpgroup finds its part by offset).
+            sB0: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout) * (2 if self.wg_part else 1)], 1024]
+            sB1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout) * (self.num_parts - 1) * (0 if self.wg_part else 1) + 8], 1024]
+            sXchg: cute.struct.Align[cute.struct.MemRange[Float32, 128 * 8 if self.wg_part else 4], 16]
             sEpi: cute.struct.Align[cute.struct.MemRange[mC.element_type, EPI_WARPS * 16 * EPI_STRIDE if self.staged else 8], 128]
             sDest: cute.struct.Align[cute.struct.MemRange[Int32, EPI_WARPS * 16 if self.staged else 4], 16]
             sOffsets: cute.struct.Align[cute.struct.MemRange[Int32, MAX_EXPERTS + 4], 16]
@@ -275,7 +297,7 @@ class MoeGemmSm90:
         """TMA of k-tile kt of expert e's weight tile n_tile (every B part) into stage `index`; with
         64-row tiles under L2 policy `policy` (_weight_policy), with 128-row tiles with none."""
         for tma, tBgB, tBsB in ((tma_b0, tBgB0, tBsB0), (tma_b1, tBgB1, tBsB1))[: self.num_parts]:
-            if const_expr(self.tile_m == 64):
+            if const_expr(self.tile_m <= 64):
                 cute.copy(tma, tBgB[(None, n_tile, kt, e)], tBsB[(None, index)], tma_bar_ptr=bar, cache_policy=policy)
             else:
                 cute.copy(tma, tBgB[(None, n_tile, kt, e)], tBsB[(None, index)], tma_bar_ptr=bar)
@@ -424,7 +446,9 @@ class MoeGemmSm90:
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB0 = storage.sB0.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sB1 = sB0
-        if const_expr(self.num_parts == 2):
+        if const_expr(self.wg_part):
+            sB1 = cute.make_tensor(sB0.iterator + cute.cosize(sB_layout), sB0.layout)
+        elif const_expr(self.num_parts == 2):
             sB1 = storage.sB1.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sOff = storage.sOffsets.get_tensor(cute.make_layout((MAX_EXPERTS + 1,)))
 
@@ -557,11 +581,26 @@ class MoeGemmSm90:
             sEpi = storage.sEpi.get_tensor(cute.make_layout((16, EPI_STRIDE, EPI_WARPS), stride=(EPI_STRIDE, 1, 16 * EPI_STRIDE)))
             sDest = storage.sDest.get_tensor(cute.make_layout((16, EPI_WARPS), stride=(1, 16)))
             ctid = tidx - 128
-            thr_mma = tiled_mma.get_slice(ctid)
-            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-            tCrB0 = tiled_mma.make_fragment_B(thr_mma.partition_B(sB0))
-            tCrB1 = tiled_mma.make_fragment_B(thr_mma.partition_B(sB1))
-            cC = cute.make_identity_tensor((self.tile_m, self.part_n))
+            thr_mma = tiled_mma.get_slice(ctid % 128 if self.wg_part else ctid)
+            if const_expr(self.wg_part):
+                # Warpgroup 1 multiplies the gate part, warpgroup 2 the up part: same code, its ring by offset.
+                sB_mine = cute.make_tensor(sB0.iterator + (wg_idx - 1) * cute.cosize(sB_layout), sB0.layout)
+                tCrA = tiled_mma.make_fragment_B(thr_mma.partition_B(sA))
+                tCrB0 = tiled_mma.make_fragment_A(thr_mma.partition_A(sB_mine))
+                tCrB1 = tCrB0
+                cC = cute.make_identity_tensor((self.part_n, self.tile_m))
+                sXchg = storage.sXchg.get_tensor(cute.make_layout((8, 128), stride=(128, 1)))
+            elif const_expr(self.swap):
+                # The weights are the MMA's A operand and the tokens its B: C^T = B A^T per tile.
+                tCrA = tiled_mma.make_fragment_B(thr_mma.partition_B(sA))
+                tCrB0 = tiled_mma.make_fragment_A(thr_mma.partition_A(sB0))
+                tCrB1 = tiled_mma.make_fragment_A(thr_mma.partition_A(sB1))
+                cC = cute.make_identity_tensor((self.part_n, self.tile_m))
+            else:
+                tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+                tCrB0 = tiled_mma.make_fragment_B(thr_mma.partition_B(sB0))
+                tCrB1 = tiled_mma.make_fragment_B(thr_mma.partition_B(sB1))
+                cC = cute.make_identity_tensor((self.tile_m, self.part_n))
             tCcC = thr_mma.partition_C(cC)
             acc0 = cute.make_rmem_tensor(tCcC.shape, Float32)
             acc1 = cute.make_rmem_tensor(tCcC.shape, Float32)
@@ -575,7 +614,7 @@ class MoeGemmSm90:
                     n_tile, row0, rows_left = self._tile_coords(sOff, e, tile - base, e_tiles, n_tiles)
 
                     acc0.fill(0.0)
-                    if const_expr(self.num_parts == 2):
+                    if const_expr(self.num_parts == 2 and not self.wg_part):
                         acc1.fill(0.0)
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.fence()
@@ -585,9 +624,16 @@ class MoeGemmSm90:
                         pipe_b.consumer_wait(read)
                         for kb in cutlass.range_constexpr(num_k_blocks):
                             coord = (None, None, kb, read.index)
-                            cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
-                            if const_expr(self.num_parts == 2):
-                                cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
+                            if const_expr(self.wg_part):
+                                cute.gemm(tiled_mma, acc0, tCrB0[coord], tCrA[coord], acc0)
+                            elif const_expr(self.swap):
+                                cute.gemm(tiled_mma, acc0, tCrB0[coord], tCrA[coord], acc0)
+                                if const_expr(self.num_parts == 2):
+                                    cute.gemm(tiled_mma, acc1, tCrB1[coord], tCrA[coord], acc1)
+                            else:
+                                cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
+                                if const_expr(self.num_parts == 2):
+                                    cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
                         warpgroup.commit_group()
                         # Keep one k-tile of WGMMAs in flight; free the buffer of the one before it.
                         warpgroup.wait_group(1)
@@ -603,7 +649,22 @@ class MoeGemmSm90:
                             pipe_a.consumer_release(release)
                         pipe_b.consumer_release(release)
                         release.advance()
-                    self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest)
+                    if const_expr(self.wg_part):
+                        # The up warpgroup's accumulators to the gate warpgroup (same fragment layout,
+                        # so thread t of one reads what thread t of the other wrote).
+                        if wg_idx == 2:
+                            for i in cutlass.range_constexpr(cute.size(acc0)):
+                                sXchg[i, ctid % 128] = acc0[i]
+                        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                        if wg_idx == 1:
+                            for i in cutlass.range_constexpr(cute.size(acc0)):
+                                acc1[i] = sXchg[i, ctid % 128]
+                        # Before the next tile's hand-over overwrites the buffer.
+                        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                        if wg_idx == 1:
+                            self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest)
+                    else:
+                        self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest)
                     tile += grid
                 else:
                     e, base, e_tiles = self._next_expert(sOff, num_experts, tile, e, base, e_tiles, n_tiles)
@@ -614,7 +675,14 @@ class MoeGemmSm90:
         < rows_left and columns < n_out (row0 and col0: the tile's first output row and column)."""
         epi = self.epi
         out_dtype = mC.element_type
-        if const_expr(epi.gate_layout == "interleaved"):
+        if const_expr(self.swap):
+            # Element i is (weight row n, token m) of the tile: output row row0 + m, column col0 + n.
+            for i in cutlass.range_constexpr(cute.size(acc0)):
+                n, m = tCcC[i]
+                col = col0 + n
+                if m < rows_left and col < n_out:
+                    mC[row0 + m, col] = self._value(acc0, acc1, i, mBias, e, col, n_out).to(out_dtype)
+        elif const_expr(epi.gate_layout == "interleaved"):
             # Fragment elements 2j and 2j+1 are adjacent columns (gate, up) of one row.
             for j in cutlass.range_constexpr(cute.size(acc0) // 2):
                 m, n = tCcC[2 * j]
@@ -642,22 +710,27 @@ class MoeGemmSm90:
 
     @cute.jit
     def _values(self, acc0, acc1, j, mBias, e, col, n_out, pair):
-        """pair[v] = the output dtype's value of fragment element 2j + v (column col + v): bias and the
-        activation ([gate; up] from acc0 and acc1, or relu2)."""
-        epi = self.epi
+        """pair[v] = the output dtype's value of fragment element 2j + v (column col + v)."""
         for v in cutlass.range_constexpr(2):
-            y = acc0[2 * j + v]
+            pair[v] = self._value(acc0, acc1, 2 * j + v, mBias, e, col + v, n_out).to(pair.element_type)
+
+    @cute.jit
+    def _value(self, acc0, acc1, i, mBias, e, col, n_out):
+        """Fragment element i of output column col in float32: bias and the activation ([gate; up]
+        from acc0 and acc1, or relu2)."""
+        epi = self.epi
+        y = acc0[i]
+        if const_expr(epi.has_bias):
+            y = y + mBias[e, col].to(Float32)
+        if const_expr(epi.gate_layout == "concat"):
+            u = acc1[i]
             if const_expr(epi.has_bias):
-                y = y + mBias[e, col + v].to(Float32)
-            if const_expr(epi.gate_layout == "concat"):
-                u = acc1[2 * j + v]
-                if const_expr(epi.has_bias):
-                    u = u + mBias[e, n_out + col + v].to(Float32)
-                y = _gated(epi.activation, y, u, epi.alpha, epi.limit)
-            elif const_expr(epi.activation == "relu2"):
-                y = cute.arch.fmax(y, Float32(0.0))
-                y = y * y
-            pair[v] = y.to(pair.element_type)
+                u = u + mBias[e, n_out + col].to(Float32)
+            y = _gated(epi.activation, y, u, epi.alpha, epi.limit)
+        elif const_expr(epi.activation == "relu2"):
+            y = cute.arch.fmax(y, Float32(0.0))
+            y = y * y
+        return y
 
     @cute.jit
     def _store_staged(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, sEpi, sDest):

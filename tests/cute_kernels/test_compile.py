@@ -86,17 +86,18 @@ def test_moe_gemm_variant(variant, tmp_path):
     dtype, epi, gather, bias_dtype, tile_m, tile_n, early = variant
     kernel = MoeGemmSm90(epi, tile_n=tile_n, tile_m=tile_m, gather=gather, num_sms=132, early_weights=early)
     ptx = _compile(kernel, interface.gemm_compile_args(dtype, bias_dtype), tmp_path)
-    # WGMMA on bf16/fp16 operands (m64nNk16), two accumulators for [gate; up].
+    # WGMMA on bf16/fp16 operands (m64nNk16), two accumulators for [gate; up]; swapped (tile_m 16),
+    # the tokens are N.
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(bf16|f16)", ptx)
-    assert wgmma and {n for n, _ in wgmma} == {str(kernel.part_n // kernel.wg_grid[1])}
+    assert wgmma and {n for n, _ in wgmma} == {str(kernel.tile_m if kernel.swap else kernel.part_n // kernel.wg_grid[1])}
     assert "wgmma.fence" in ptx and "wgmma.commit_group" in ptx and "wgmma.wait_group" in ptx
     # Weights by TMA (the compiler may duplicate the load loop's body, so count per part).
     tma = ptx.count("cp.async.bulk.tensor.3d.shared::cta.global")
     assert tma >= kernel.num_parts and tma % kernel.num_parts == 0
-    # 64-row kernels may load weights as evict-first (for experts of one m-tile, chosen at run time);
-    # 128-row kernels keep the DSL's default policy (0) on every load.
+    # 64-row and swapped kernels may load weights as evict-first (for experts of one m-tile, chosen at
+    # run time); 128-row kernels keep the DSL's default policy (0) on every load.
     evict_first = re.search(rf"\b({L2_EVICT_FIRST}|0x0*{L2_EVICT_FIRST:X})\b", ptx[ptx.index(".entry"):], flags=re.I)
-    assert bool(evict_first) == (kernel.tile_m == 64), kernel.tile_m
+    assert bool(evict_first) == (kernel.tile_m <= 64), kernel.tile_m
     if not kernel.tma_a:
         # Rows by 16-byte cp.async completing on an mbarrier; rows past the expert are zero-filled:
         # the cp.async takes a source size (16 or 0) from a register.
@@ -108,9 +109,12 @@ def test_moe_gemm_variant(variant, tmp_path):
         assert "cp.async.bulk.tensor.2d.shared::cta.global" in ptx
         assert "cp.async.cg" not in ptx and "cp.async.mbarrier" not in ptx
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
-    if not gather:
+    if kernel.staged:
         # GEMM2's epilogue stages rows through shared memory and stores them 16 bytes at a time.
         assert "st.global.v4.b32" in ptx and "st.global.b32" not in ptx
+    if kernel.swap:
+        # A thread's accumulators are one column of several tokens: element stores.
+        assert "st.global.b16" in ptx and "st.global.v4" not in ptx
     assert ".local" not in ptx
     _waits_before_global_access(ptx, kernel.early_b)
     assert "griddepcontrol.launch_dependents" in ptx
@@ -171,6 +175,21 @@ def test_tiles_the_kernel_cannot_store_are_refused():
         MoeGemmSm90(Epilogue("silu", "concat"), tile_m=64, tile_n=176, gather=True)
     MoeGemmSm90(Epilogue("silu", "concat"), tile_m=64, tile_n=96, gather=True)
     MoeGemmSm90(Epilogue("none", "none"), tile_m=64, tile_n=64, gather=False)
+
+
+def test_swapped_tiles_the_kernel_cannot_build_are_refused():
+    """tile_m 16 puts 64 weight rows on each consumer warpgroup's WGMMA M: other B part sizes, and
+    interleaved gate/up pairs (which would land in different threads), are refused before compiling."""
+    from cute_kernels.moe_gemm import Epilogue
+
+    with pytest.raises(ValueError, match="tile_m=16.*no interleaved gate"):
+        MoeGemmSm90(Epilogue("swigluoai", "interleaved"), tile_m=16, tile_n=128, gather=True)
+    with pytest.raises(ValueError, match="tile_m=16 .*tile_n=256"):
+        MoeGemmSm90(Epilogue("silu", "concat"), tile_m=16, tile_n=256, gather=True)
+    with pytest.raises(ValueError, match="tile_m=16 .*tile_n=64"):
+        MoeGemmSm90(Epilogue("none", "none"), tile_m=16, tile_n=64, gather=False)
+    assert MoeGemmSm90(Epilogue("silu", "concat"), tile_m=16, tile_n=128, gather=True).wg_part
+    assert not MoeGemmSm90(Epilogue("none", "none"), tile_m=16, tile_n=128, gather=False).staged
 
 
 def test_too_many_experts_declined():
