@@ -20,7 +20,8 @@ Structure (warp-specialised, persistent):
   at M = 8192 that GEMM2 ran 5-8% faster than with cp.async and zero-filled rows (bench/NOTES.md,
   v15). With 64-row tiles (weight streaming) GEMM2 keeps the gather path with src(r) = r.
 - warpgroups 1 and 2 consume: with 128-row tiles each multiplies 64 of the rows, with 64-row tiles
-  (experts with few rows) each takes half of the columns, with WGMMA (fp32 accumulators); then they
+  (experts with few rows) each takes half of the columns, with 16-row tiles (swapped: the weights
+  on WGMMA's M side, see MoeGemmSm90) each takes 64 weight rows, with WGMMA (fp32 accumulators); then they
   run the epilogue and store their elements, masked to the rows of the current expert, so partial
   tiles never write into the next expert's rows.
 - Every warpgroup walks the same sequence of work tiles: tile t = blockIdx.x, then + gridDim.x, ...;
@@ -76,6 +77,9 @@ L2_EVICT_FIRST = 0x12F0000000000000
 OFFSETS_BYTES = 4 * (MAX_EXPERTS + 4)
 # B rows per part of a tile (tile_n / parts): each consumer warpgroup's WGMMA takes half of them.
 PART_ROWS = (48, 64, 96, 128, 256)
+# Accumulators per thread of a swapped tile (64 weight rows x 16 tokens over 128 threads), handed from
+# the up warpgroup to the gate one.
+XCHG_ELEMS = 64 * 16 // 128
 
 
 @dataclass(frozen=True)
@@ -264,7 +268,7 @@ class MoeGemmSm90:
             # wg_part: both parts' rings in sB0, one after the other (a warpgroup finds its part by offset).
             sB0: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout) * (2 if self.wg_part else 1)], 1024]
             sB1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout) * (self.num_parts - 1) * (0 if self.wg_part else 1) + 8], 1024]
-            sXchg: cute.struct.Align[cute.struct.MemRange[Float32, 128 * 8 if self.wg_part else 4], 16]
+            sXchg: cute.struct.Align[cute.struct.MemRange[Float32, XCHG_ELEMS * 128 if self.wg_part else 4], 16]
             sEpi: cute.struct.Align[cute.struct.MemRange[mC.element_type, EPI_WARPS * 16 * EPI_STRIDE if self.staged else 8], 128]
             sDest: cute.struct.Align[cute.struct.MemRange[Int32, EPI_WARPS * 16 if self.staged else 4], 16]
             sOffsets: cute.struct.Align[cute.struct.MemRange[Int32, MAX_EXPERTS + 4], 16]
@@ -295,7 +299,7 @@ class MoeGemmSm90:
     @cute.jit
     def _load_weights(self, tma_b0, tBgB0, tBsB0, tma_b1, tBgB1, tBsB1, n_tile, kt, e, index, bar, policy):
         """TMA of k-tile kt of expert e's weight tile n_tile (every B part) into stage `index`; with
-        64-row tiles under L2 policy `policy` (_weight_policy), with 128-row tiles with none."""
+        64-row and swapped tiles under L2 policy `policy` (_weight_policy), with 128-row tiles with none."""
         for tma, tBgB, tBsB in ((tma_b0, tBgB0, tBsB0), (tma_b1, tBgB1, tBsB1))[: self.num_parts]:
             if const_expr(self.tile_m <= 64):
                 cute.copy(tma, tBgB[(None, n_tile, kt, e)], tBsB[(None, index)], tma_bar_ptr=bar, cache_policy=policy)
@@ -582,19 +586,17 @@ class MoeGemmSm90:
             sDest = storage.sDest.get_tensor(cute.make_layout((16, EPI_WARPS), stride=(1, 16)))
             ctid = tidx - 128
             thr_mma = tiled_mma.get_slice(ctid % 128 if self.wg_part else ctid)
-            if const_expr(self.wg_part):
-                # Warpgroup 1 multiplies the gate part, warpgroup 2 the up part: same code, its ring by offset.
-                sB_mine = cute.make_tensor(sB0.iterator + (wg_idx - 1) * cute.cosize(sB_layout), sB0.layout)
+            sXchg = storage.sXchg.get_tensor(cute.make_layout((XCHG_ELEMS, 128), stride=(128, 1)))
+            if const_expr(self.swap):
+                # The weights are the MMA's A operand and the tokens its B (C^T = B A^T per tile). With
+                # wg_part warpgroup 1 multiplies the gate part and warpgroup 2 the up part: the same
+                # code, each its own ring (found by offset).
+                sB_mine = sB0
+                if const_expr(self.wg_part):
+                    sB_mine = cute.make_tensor(sB0.iterator + (wg_idx - 1) * cute.cosize(sB_layout), sB0.layout)
                 tCrA = tiled_mma.make_fragment_B(thr_mma.partition_B(sA))
                 tCrB0 = tiled_mma.make_fragment_A(thr_mma.partition_A(sB_mine))
                 tCrB1 = tCrB0
-                cC = cute.make_identity_tensor((self.part_n, self.tile_m))
-                sXchg = storage.sXchg.get_tensor(cute.make_layout((8, 128), stride=(128, 1)))
-            elif const_expr(self.swap):
-                # The weights are the MMA's A operand and the tokens its B: C^T = B A^T per tile.
-                tCrA = tiled_mma.make_fragment_B(thr_mma.partition_B(sA))
-                tCrB0 = tiled_mma.make_fragment_A(thr_mma.partition_A(sB0))
-                tCrB1 = tiled_mma.make_fragment_A(thr_mma.partition_A(sB1))
                 cC = cute.make_identity_tensor((self.part_n, self.tile_m))
             else:
                 tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
@@ -624,12 +626,9 @@ class MoeGemmSm90:
                         pipe_b.consumer_wait(read)
                         for kb in cutlass.range_constexpr(num_k_blocks):
                             coord = (None, None, kb, read.index)
-                            if const_expr(self.wg_part):
+                            if const_expr(self.swap):
+                                # One accumulator per warpgroup: its 64 weight rows of the one part it has.
                                 cute.gemm(tiled_mma, acc0, tCrB0[coord], tCrA[coord], acc0)
-                            elif const_expr(self.swap):
-                                cute.gemm(tiled_mma, acc0, tCrB0[coord], tCrA[coord], acc0)
-                                if const_expr(self.num_parts == 2):
-                                    cute.gemm(tiled_mma, acc1, tCrB1[coord], tCrA[coord], acc1)
                             else:
                                 cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
                                 if const_expr(self.num_parts == 2):
