@@ -81,7 +81,9 @@ def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int,
     pairs = m * k
     active = max(1, min(num_experts, pairs))
     if gate_layout in SWAP_LAYOUTS and _cdiv(pairs, active) <= SWAP_ROWS:
-        tiles = active * _cdiv(_cdiv(pairs, active), SWAP_TILE[0]) * _cdiv(n_out, 64 if gate_layout == "concat" else 128)
+        # Output columns per swapped tile: tile_n weight rows, half of them up rows with [gate; up].
+        swap_cols = SWAP_TILE[1] // (2 if gate_layout == "concat" else 1)
+        tiles = active * _cdiv(_cdiv(pairs, active), SWAP_TILE[0]) * _cdiv(n_out, swap_cols)
         if tiles >= FEW_WAVES * sms:
             return SWAP_TILE
     tile_m = 64 if pairs < 64 * num_experts else 128

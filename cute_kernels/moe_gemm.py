@@ -260,14 +260,18 @@ class MoeGemmSm90:
         tma_a, gA = cpasync.make_tiled_tma_atom(tma_op, mA, sA_one, (self.tile_m, self.tile_k))
         self.tma_bytes = self.b_bytes + (cute.size_in_bytes(dtype, sA_one) if self.tma_a else 0)
 
+        # B rings (one per part): wg_part keeps both in sB0, one after the other (a consumer warpgroup finds
+        # its part by offset); otherwise part 1 has sB1.
+        rings0 = self.num_parts if self.wg_part else 1
+        rings1 = self.num_parts - rings0
+
         @cute.struct
         class Storage:
             bar_a: cute.struct.MemRange[cutlass.Int64, stages * 2]
             bar_b: cute.struct.MemRange[cutlass.Int64, stages * 2]
             sA: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sA_layout)], 1024]
-            # wg_part: both parts' rings in sB0, one after the other (a warpgroup finds its part by offset).
-            sB0: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout) * (2 if self.wg_part else 1)], 1024]
-            sB1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout) * (self.num_parts - 1) * (0 if self.wg_part else 1) + 8], 1024]
+            sB0: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout) * rings0], 1024]
+            sB1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout) * rings1 + 8], 1024]
             sXchg: cute.struct.Align[cute.struct.MemRange[Float32, XCHG_ELEMS * 128 if self.wg_part else 4], 16]
             sEpi: cute.struct.Align[cute.struct.MemRange[mC.element_type, EPI_WARPS * 16 * EPI_STRIDE if self.staged else 8], 128]
             sDest: cute.struct.Align[cute.struct.MemRange[Int32, EPI_WARPS * 16 if self.staged else 4], 16]
