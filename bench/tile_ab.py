@@ -3,8 +3,8 @@ choice and with each given tile forced for one GEMM, or for both (LAYOUT "none" 
 "concat" in the benchmark's SiLU layer, every shape), all captured as CUDA graphs in this one process
 and replayed in interleaved rounds, so the variants share the machine, its clocks and the memory
 layout (bench/NOTES.md v14, item 3). Prints the median and quartiles of each variant's replay times in
-µs. A variant may be any tile the kernel builds (tile_m 16, 64 or 128; a B part of 48, 64, 96, 128 or
-256 rows), not only those choose_tiles can pick.
+µs. A variant may be any tile the kernel builds (MoeGemmSm90 says which), not only those choose_tiles
+can pick.
 --in-graph: each variant is a graph of GRAPH_CALLS calls with their own inputs, timed per call, as
 `python -m moe_ops.bench`'s "in graph" column.
 
@@ -22,7 +22,7 @@ import torch
 import lowering
 from cute_kernels import interface
 from moe_ops import fused_experts
-from cute_kernels.moe_gemm import PART_ROWS
+from cute_kernels.moe_gemm import Epilogue, MoeGemmSm90
 from moe_ops.bench import SHAPES, capture, expert_weights, graph_inputs, layer_inputs, replay_times_us
 
 
@@ -35,12 +35,12 @@ def parse_variant(text: str) -> dict[str, tuple[int, int]]:
         if layout not in interface.TILE_N or not (tm.isdigit() and tn.isdigit()):
             raise argparse.ArgumentTypeError(f"variant {text!r}: expected LAYOUT:MxN with LAYOUT in {sorted(interface.TILE_N)}")
         tm, tn = int(tm), int(tn)
-        parts = 2 if layout == "concat" else 1
-        if tm not in (16, 64, 128) or tn % parts or tn // parts not in PART_ROWS:
-            raise argparse.ArgumentTypeError(
-                f"variant {text!r}: tile_m must be 16, 64 or 128 and tile_n {parts} part(s) of {PART_ROWS} rows; "
-                f"the rule's {layout} tiles are {interface.tile_shapes(layout)}"
-            )
+        # The kernel's own constructor says which tiles it builds (no compile happens here).
+        epi = Epilogue("none", "none") if layout == "none" else Epilogue("silu", layout)
+        try:
+            MoeGemmSm90(epi, tile_n=tn, tile_m=tm, gather=layout != "none")
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"variant {text!r}: {e}; the rule's {layout} tiles are {interface.tile_shapes(layout)}")
         variant[layout] = (tm, tn)
     return variant
 
@@ -74,8 +74,8 @@ def main(argv=None) -> None:
                 seen: dict[str, tuple[int, int]] = {}
 
                 # The custom ops ask choose_tiles at each call, so the forced tile is what gets captured.
-                def forced(layout, *rest, variant=variant, seen=seen):
-                    seen[layout] = variant[layout] if variant is not None and layout in variant else rule(layout, *rest)
+                def forced(layout, *rest, variant=variant, seen=seen, **kw):
+                    seen[layout] = variant[layout] if variant is not None and layout in variant else rule(layout, *rest, **kw)
                     return seen[layout]
 
                 interface.choose_tiles = forced

@@ -48,13 +48,17 @@ FEW_WAVES = 2
 SWAP_TILE = (16, 128)
 SWAP_LAYOUTS = ("concat", "none")
 SWAP_ROWS = 16
+# Swapped with 64 weight rows (32 output columns with a gate), the consumer warpgroups splitting K:
+# every layout; only where K is at least SPLIT_K_MIN_K (see choose_tiles).
+SPLIT_K_TILE = (16, 64)
+SPLIT_K_MIN_K = 2560
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int) -> tuple[int, int]:
+def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int, *, k_dim: int) -> tuple[int, int]:
     """(tile_m, tile_n) for M tokens routed to k of E experts (assumed spread evenly; a host-side
     shape rule, no data read), from bench/tile_sweep.py on an H200 (bench/NOTES.md, v2 and v3):
     - tile_m 64 while an expert averages fewer than 64 rows (M*k/E < 64): weight streaming, where a
@@ -78,6 +82,29 @@ def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int,
     128 otherwise) fill at least FEW_WAVES waves; not for interleaved gates (bench/NOTES.md v20: a
     64-row tile re-reads its mostly empty A tile from shared memory in every WGMMA, which caps what
     one CTA streams; with fewer tiles than that the finer 64-row tiles win)."""
+    tile = _unsplit_tiles(gate_layout, n_out, m, k, num_experts, sms)
+    pairs = m * k
+    if _cdiv(pairs, max(1, min(num_experts, pairs))) <= SWAP_ROWS and k_dim >= SPLIT_K_MIN_K:
+        split = _busiest_rows(SPLIT_K_TILE, gate_layout, n_out, m, k, num_experts, sms)
+        other = _busiest_rows(tile, gate_layout, n_out, m, k, num_experts, sms)
+        if split < other or (split == other and gate_layout != "none"):
+            return SPLIT_K_TILE
+    return tile
+
+
+def _busiest_rows(tile: tuple[int, int], gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int) -> int:
+    """Weight rows the busiest SM streams with `tile` (experts assumed evenly loaded): tiles per SM,
+    rounded up, times the tile's weight rows (a gated tile's make half as many output columns)."""
+    pairs = m * k
+    active = max(1, min(num_experts, pairs))
+    tile_m, tile_n = tile
+    out_cols = tile_n // (1 if gate_layout == "none" else 2)
+    tiles = active * _cdiv(_cdiv(pairs, active), tile_m) * _cdiv(n_out, out_cols)
+    return _cdiv(tiles, sms) * tile_n
+
+
+def _unsplit_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int) -> tuple[int, int]:
+    """choose_tiles' choice before SPLIT_K_TILE is considered."""
     pairs = m * k
     active = max(1, min(num_experts, pairs))
     if gate_layout in SWAP_LAYOUTS and _cdiv(pairs, active) <= SWAP_ROWS:
@@ -219,7 +246,7 @@ def gate_up(
         return out
     epi = Epilogue(activation, gate_layout, float(alpha), float(limit), has_bias=bias is not None)
     sms = num_sms(x.device.index)
-    tiles = tiles or choose_tiles(gate_layout, inter, x.shape[0], gather.shape[0] // max(x.shape[0], 1), num_experts, sms)
+    tiles = tiles or choose_tiles(gate_layout, inter, x.shape[0], gather.shape[0] // max(x.shape[0], 1), num_experts, sms, k_dim=hidden)
     fn = _gemm(epi, True, x.dtype, bias.dtype if bias is not None else x.dtype, sms, *tiles)
     if gate_layout == "concat":
         # The up rows of each expert start I rows after its gate rows; the kernel reads both as parts.
@@ -247,7 +274,7 @@ def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, ti
     y = torch.empty(a.shape[0], hidden, dtype=a.dtype, device=a.device)
     epi = Epilogue("none", "none", has_bias=bias is not None)
     sms = num_sms(a.device.index)
-    tiles = tiles or choose_tiles("none", hidden, m, k, num_experts, sms)
+    tiles = tiles or choose_tiles("none", hidden, m, k, num_experts, sms, k_dim=inter)
     fn = _gemm(epi, False, a.dtype, bias.dtype if bias is not None else a.dtype, sms, *tiles, early=bool(weights_early))
     _launch_gemm(fn, a, (w, w), y, offsets, gather, bias, hidden, hidden * inter)
     _token_sum(a.dtype)(
@@ -272,7 +299,7 @@ def variants(dtype=torch.bfloat16, bias_dtypes=(None,)):
 
 def tile_shapes(gate_layout: str) -> list[tuple[int, int]]:
     """The (tile_m, tile_n) choose_tiles can return for a layout."""
-    swapped = [SWAP_TILE] if gate_layout in SWAP_LAYOUTS else []
+    swapped = ([SWAP_TILE] if gate_layout in SWAP_LAYOUTS else []) + [SPLIT_K_TILE]
     return [(128, n) for n in TILE_N[gate_layout]] + [(64, n) for n in STREAM_TILE_N[gate_layout]] + swapped
 
 

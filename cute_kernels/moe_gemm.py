@@ -169,23 +169,32 @@ class MoeGemmSm90:
         if tile_m not in (16, 64, 128):
             raise ValueError(f"tile_m={tile_m}; allowed: 16, 64, 128")
         self.tile_m = tile_m
-        self.num_parts = 2 if epilogue.gate_layout == "concat" else 1
+        gated = epilogue.gate_layout != "none"
+        # Swapped with 64 weight rows (k_split): both consumer warpgroups multiply the same 64 rows, each
+        # half of every stage's k-blocks, and the second hands its partial sums to the first. With a
+        # gate the 64 rows are 32 output columns, loaded in blocks of 8 gate rows then their 8 up rows
+        # (one TMA box over a 5-dimensional view of the weights), so each thread's two accumulator
+        # rows (8 apart) are the gate and the up of one column, for either gate layout.
+        self.k_split = self.swap and tile_n == 64
+        self.paired = self.k_split and gated
+        self.num_parts = 2 if epilogue.gate_layout == "concat" and not self.paired else 1
         self.part_n = tile_n // self.num_parts
         if self.part_n not in PART_ROWS:
             raise ValueError(f"tile_n={tile_n} gives {self.part_n} rows per B part; allowed: {', '.join(map(str, PART_ROWS))}")
-        # Swapped with [gate; up]: each consumer warpgroup multiplies one 64-row B part (wg_part), and the
-        # up warpgroup hands its accumulators to the gate one through shared memory for the epilogue.
+        # Swapped with [gate; up] in 128 rows: each consumer warpgroup multiplies one 64-row B part
+        # (wg_part), and the up warpgroup hands its accumulators to the gate one for the epilogue.
         self.wg_part = self.swap and self.num_parts == 2
-        if self.swap and (self.part_n != (64 if self.wg_part else 128) or epilogue.gate_layout == "interleaved"):
+        if self.swap and not self.k_split and (self.part_n != (64 if self.wg_part else 128) or epilogue.gate_layout == "interleaved"):
             raise ValueError(
                 f"tile_m=16 (swapped operands) with tile_n={tile_n} and gate_layout {epilogue.gate_layout!r}: it needs "
-                "64 weight rows per consumer warpgroup (tile_n 128 with concat, 128 without a gate) and no interleaved gate"
+                "tile_n 64 (any gate layout), or 128 with concat or without a gate (not interleaved)"
             )
         # Consumer warpgroups along (M, N) of the MMA: with 128-row tiles 64 token rows each, with 64-row
-        # tiles half of the weight rows each (as WGMMA's N), swapped 64 weight rows each (as its M).
-        self.wg_grid = (1, 2) if tile_m == 64 else ((1, 1) if self.wg_part else (2, 1))
+        # tiles half of the weight rows each (as WGMMA's N), swapped 64 weight rows each (as its M), or
+        # the same 64 (wg_part, k_split: the grid is one warpgroup's, each slices it by its own index).
+        self.wg_grid = (1, 2) if tile_m == 64 else ((1, 1) if self.wg_part or self.k_split else (2, 1))
         # Output columns per tile, and per consumer warpgroup.
-        self.out_n = self.part_n // 2 if epilogue.gate_layout == "interleaved" else self.part_n
+        self.out_n = self.part_n // 2 if gated and self.num_parts == 1 else self.part_n
         self.wg_out_n = self.out_n // self.wg_grid[1]
         if self.staged and self.wg_out_n % 32:
             # _store_staged writes whole 32-column pieces of an n_out that is a multiple of 64.
@@ -229,6 +238,16 @@ class MoeGemmSm90:
         n_out = cute.assume(n_out, divby=64)
         mA = cute.make_tensor(a_ptr, cute.make_layout((rows_a, k), stride=(k, 1)))
         mB0 = cute.make_tensor(b0_ptr, cute.make_layout((n_part, k, num_experts), stride=(k, 1, b_stride)))
+        if const_expr(self.paired):
+            # Rows as (8 of a block, gate/up, block): tile row r is output column r % 8 + 8 (r // 16),
+            # the gate's when (r // 8) % 2 == 0. [gate; up] has the up rows n_part rows after the gate
+            # rows; interleaved has them one row after, in n_part = 2 x columns rows.
+            n_part = cute.assume(n_part, divby=64)
+            if const_expr(self.epi.gate_layout == "concat"):
+                rows = cute.make_layout((8, 2, n_part // 8), stride=(k, n_part * k, 8 * k))
+            else:
+                rows = cute.make_layout((8, 2, n_part // 16), stride=(2 * k, k, 16 * k))
+            mB0 = cute.make_tensor(b0_ptr, cute.make_layout((rows.shape, k, num_experts), stride=(rows.stride, 1, b_stride)))
         mB1 = cute.make_tensor(b1_ptr, cute.make_layout((n_part, k, num_experts), stride=(k, 1, b_stride)))
         mC = cute.make_tensor(c_ptr, cute.make_layout((rows_c, n_out), stride=(n_out, 1)))
         mOffsets = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
@@ -272,7 +291,7 @@ class MoeGemmSm90:
             sA: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sA_layout)], 1024]
             sB0: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout) * rings0], 1024]
             sB1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout) * rings1 + 8], 1024]
-            sXchg: cute.struct.Align[cute.struct.MemRange[Float32, XCHG_ELEMS * 128 if self.wg_part else 4], 16]
+            sXchg: cute.struct.Align[cute.struct.MemRange[Float32, XCHG_ELEMS * 128 if self.wg_part or self.k_split else 4], 16]
             sEpi: cute.struct.Align[cute.struct.MemRange[mC.element_type, EPI_WARPS * 16 * EPI_STRIDE if self.staged else 8], 128]
             sDest: cute.struct.Align[cute.struct.MemRange[Int32, EPI_WARPS * 16 if self.staged else 4], 16]
             sOffsets: cute.struct.Align[cute.struct.MemRange[Int32, MAX_EXPERTS + 4], 16]
@@ -589,7 +608,7 @@ class MoeGemmSm90:
             sEpi = storage.sEpi.get_tensor(cute.make_layout((16, EPI_STRIDE, EPI_WARPS), stride=(EPI_STRIDE, 1, 16 * EPI_STRIDE)))
             sDest = storage.sDest.get_tensor(cute.make_layout((16, EPI_WARPS), stride=(1, 16)))
             ctid = tidx - 128
-            thr_mma = tiled_mma.get_slice(ctid % 128 if self.wg_part else ctid)
+            thr_mma = tiled_mma.get_slice(ctid % 128 if self.wg_part or self.k_split else ctid)
             sXchg = storage.sXchg.get_tensor(cute.make_layout((XCHG_ELEMS, 128), stride=(128, 1)))
             if const_expr(self.swap):
                 # The weights are the MMA's A operand and the tokens its B (C^T = B A^T per tile). With
@@ -628,8 +647,11 @@ class MoeGemmSm90:
                         if const_expr(not self.tma_a):
                             pipe_a.consumer_wait(read)
                         pipe_b.consumer_wait(read)
-                        for kb in cutlass.range_constexpr(num_k_blocks):
+                        for kb in cutlass.range_constexpr(num_k_blocks // 2 if self.k_split else num_k_blocks):
                             coord = (None, None, kb, read.index)
+                            if const_expr(self.k_split):
+                                # This warpgroup's half of the stage's k-blocks.
+                                coord = (None, None, kb + (wg_idx - 1) * (num_k_blocks // 2), read.index)
                             if const_expr(self.swap):
                                 # One accumulator per warpgroup: its 64 weight rows of the one part it has.
                                 cute.gemm(tiled_mma, acc0, tCrB0[coord], tCrA[coord], acc0)
@@ -652,16 +674,20 @@ class MoeGemmSm90:
                             pipe_a.consumer_release(release)
                         pipe_b.consumer_release(release)
                         release.advance()
-                    if const_expr(self.wg_part):
-                        # The up warpgroup's accumulators to the gate warpgroup (same fragment layout,
-                        # so thread t of one reads what thread t of the other wrote).
+                    if const_expr(self.wg_part or self.k_split):
+                        # Warpgroup 2's accumulators to warpgroup 1 (same fragment layout, so thread t of
+                        # one reads what thread t of the other wrote): the up part (wg_part), or the
+                        # partial sums of the other k-blocks (k_split).
                         if wg_idx == 2:
                             for i in cutlass.range_constexpr(cute.size(acc0)):
                                 sXchg[i, ctid % 128] = acc0[i]
                         cute.arch.barrier(barrier_id=1, number_of_threads=256)
                         if wg_idx == 1:
                             for i in cutlass.range_constexpr(cute.size(acc0)):
-                                acc1[i] = sXchg[i, ctid % 128]
+                                if const_expr(self.k_split):
+                                    acc0[i] = acc0[i] + sXchg[i, ctid % 128]
+                                else:
+                                    acc1[i] = sXchg[i, ctid % 128]
                         # Before the next tile's hand-over overwrites the buffer.
                         cute.arch.barrier(barrier_id=1, number_of_threads=256)
                         if wg_idx == 1:
@@ -678,7 +704,24 @@ class MoeGemmSm90:
         < rows_left and columns < n_out (row0 and col0: the tile's first output row and column)."""
         epi = self.epi
         out_dtype = mC.element_type
-        if const_expr(self.swap):
+        if const_expr(self.paired):
+            # Element i is (weight row n, token m); the row half (i // 2) % 2 is the gate (0) or the up
+            # (1) of output column n % 8 + 8 (n // 16) (see the paired B view in __call__).
+            frag = cute.shape(tCcC)
+            assert frag[0][0] == 2 and frag[0][1] == 2 and frag[1] == 1 and frag[2] == 1, frag
+            interleaved = epi.gate_layout == "interleaved"
+            for i in cutlass.range_constexpr(cute.size(acc0)):
+                if const_expr((i // 2) % 2 == 0):
+                    n, m = tCcC[i]
+                    col = col0 + n % 8 + 8 * (n // 16)
+                    if m < rows_left and col < n_out:
+                        g = acc0[i]
+                        u = acc0[i + 2]
+                        if const_expr(epi.has_bias):
+                            g = g + mBias[e, 2 * col if interleaved else col].to(Float32)
+                            u = u + mBias[e, 2 * col + 1 if interleaved else n_out + col].to(Float32)
+                        mC[row0 + m, col] = _gated(epi.activation, g, u, epi.alpha, epi.limit).to(out_dtype)
+        elif const_expr(self.swap):
             # Element i is (weight row n, token m) of the tile: output row row0 + m, column col0 + n.
             for i in cutlass.range_constexpr(cute.size(acc0)):
                 n, m = tCcC[i]

@@ -1,5 +1,7 @@
 """interface.choose_tiles: every choice is a compiled variant, swapped tiles only where an expert's
-rows fit one of them in enough waves, and the few-waves rule fills the last wave."""
+rows fit one of them in enough waves, the split-K swapped tile only with a long K and no more rows on
+the busiest SM, and the few-waves rule fills the last wave. Below SPLIT_K_MIN_K (SHORT_K) the rule is
+the one before the split-K tile existed."""
 from __future__ import annotations
 
 import math
@@ -13,6 +15,7 @@ from cute_kernels import interface  # noqa: E402
 from moe_ops.bench import SHAPES  # noqa: E402
 
 LAYOUTS = ("concat", "interleaved", "none")
+SHORT_K = 2048
 
 
 def test_every_choice_is_a_variant():
@@ -22,7 +25,9 @@ def test_every_choice_is_a_variant():
         layout = rng.choice(LAYOUTS)
         n_out = 64 * rng.randint(1, 300)
         m, k, e, sms = rng.randint(1, 20000), rng.randint(1, 8), rng.choice((8, 16, 64, 128, 256)), rng.choice((78, 114, 132))
-        assert interface.choose_tiles(layout, n_out, m, k, e, sms) in interface.tile_shapes(layout), (layout, n_out, m, k, e, sms)
+        k_dim = 64 * rng.randint(1, 200)
+        tile = interface.choose_tiles(layout, n_out, m, k, e, sms, k_dim=k_dim)
+        assert tile in interface.tile_shapes(layout), (layout, n_out, m, k, e, sms, k_dim)
 
 
 def _waves(layout, n_out, m, k, e, sms, tile):
@@ -36,10 +41,10 @@ def test_few_waves_stream_the_fewest_rows(name):
     # At M = 1 every shape streams weights (64-row tiles) in few waves of tiles; the rule takes the
     # tile_n whose busiest SM streams the fewest weight rows (ceil(waves) x tile_n), the largest on ties.
     e, k, h, i = SHAPES[name]
-    for layout, n_out in (("interleaved" if name.startswith("gpt-oss") else "concat", i), ("none", h)):
-        tile = interface.choose_tiles(layout, n_out, 1, k, e, 132)
-        if tile == interface.SWAP_TILE:
-            continue  # test_swapped_tiles_where_rows_fit_in_enough_waves
+    for layout, n_out, k_dim in (("interleaved" if name.startswith("gpt-oss") else "concat", i, h), ("none", h, i)):
+        tile = interface.choose_tiles(layout, n_out, 1, k, e, 132, k_dim=k_dim)
+        if tile in (interface.SWAP_TILE, interface.SPLIT_K_TILE):
+            continue  # test_swapped_tiles_where_rows_fit_in_enough_waves, test_split_k_tile_...
         assert tile[0] == 64
         rows = lambda n: math.ceil(_waves(layout, n_out, 1, k, e, 132, (64, n))) * n  # noqa: E731
         if _waves(layout, n_out, 1, k, e, 132, tile) < interface.FEW_WAVES:
@@ -49,14 +54,22 @@ def test_few_waves_stream_the_fewest_rows(name):
 
 
 def test_measured_choices_at_one_token():
-    # GEMMs alone at M = 1 on an H200 (bench/NOTES.md v9, v12); the rule picks the faster tile here.
-    assert interface.choose_tiles("concat", 768, 1, 8, 128, 132) == (64, 96)  # qwen3: 13.9 vs 14.4 µs at 128
-    assert interface.choose_tiles("none", 2048, 1, 8, 128, 132) == (64, 128)  # qwen3: 7.5 vs 9.6 µs at 64
-    # mixtral: 118.3 vs 127.8 at 64x128 alone (v9); swapped 16x128, in graph, 172.6 vs 174.4 µs (v20)
-    assert interface.choose_tiles("concat", 14336, 1, 2, 8, 132) == (16, 128)
-    assert interface.choose_tiles("concat", 2048, 1, 8, 256, 132) == (64, 128)  # deepseek: 117.5 vs 119.6 at 256
-    assert interface.choose_tiles("interleaved", 2880, 1, 4, 128, 132) == (64, 96)  # gpt-oss: 36.6 vs 41.4 µs at 128
-    assert interface.choose_tiles("none", 2880, 1, 4, 128, 132) == (64, 128)  # gpt-oss: 25.9 vs 32.2 µs at 64
+    # GEMMs alone at M = 1 on an H200 (bench/NOTES.md v9, v12), and the layer in graph (v20, v21);
+    # the rule picks the faster tile here.
+    assert interface.choose_tiles("concat", 768, 1, 8, 128, 132, k_dim=2048) == (64, 96)  # qwen3: 13.9 vs 14.4 µs at 128; in graph 26.5 vs 27.9 split-K
+    assert interface.choose_tiles("none", 2048, 1, 8, 128, 132, k_dim=768) == (64, 128)  # qwen3: 7.5 vs 9.6 µs at 64
+    # mixtral: 118.3 vs 127.8 at 64x128 alone (v9); in graph swapped 16x128 172.6 vs 174.4 µs (v20),
+    # split-K 165.6 vs 172.3 (v21)
+    assert interface.choose_tiles("concat", 14336, 1, 2, 8, 132, k_dim=4096) == interface.SPLIT_K_TILE
+    assert interface.choose_tiles("concat", 14336, 1, 2, 8, 132, k_dim=SHORT_K) == interface.SWAP_TILE
+    # deepseek: 117.5 vs 119.6 at 256 alone (v12); in graph split-K 164.8 vs 167.1 (v21)
+    assert interface.choose_tiles("concat", 2048, 1, 8, 256, 132, k_dim=7168) == interface.SPLIT_K_TILE
+    assert interface.choose_tiles("concat", 2048, 1, 8, 256, 132, k_dim=SHORT_K) == (64, 128)
+    # gpt-oss: 36.6 vs 41.4 µs at 128 alone (v12); in graph (concat) split-K 55.3 vs 57.0 (v21)
+    assert interface.choose_tiles("interleaved", 2880, 1, 4, 128, 132, k_dim=2880) == interface.SPLIT_K_TILE
+    assert interface.choose_tiles("interleaved", 2880, 1, 4, 128, 132, k_dim=SHORT_K) == (64, 96)
+    # gpt-oss: 25.9 vs 32.2 µs at 64 alone (v12); in graph 57.0 vs 57.6 split-K (v21, equal rows)
+    assert interface.choose_tiles("none", 2880, 1, 4, 128, 132, k_dim=2880) == (64, 128)
 
 
 def test_streaming_tiles_pad_the_fewest_columns():
@@ -67,7 +80,7 @@ def test_streaming_tiles_pad_the_fewest_columns():
     for _ in range(3000):
         n_out = 64 * rng.randint(1, 300)
         m, k, e = rng.randint(1, 20000), rng.randint(1, 8), rng.choice((8, 16, 64, 128, 256))
-        tile = interface.choose_tiles("none", n_out, m, k, e, 132)
+        tile = interface.choose_tiles("none", n_out, m, k, e, 132, k_dim=SHORT_K)
         fits = [n for n in interface.TILE_N["none"] if _waves("none", n_out, m, k, e, 132, (64, n)) >= 2]
         if tile[0] != 64 or _waves("none", n_out, m, k, e, 132, tile) < interface.FEW_WAVES or not fits:
             continue
@@ -81,9 +94,9 @@ def test_streaming_tiles_pad_the_fewest_columns():
 def test_measured_choices_at_1024_tokens():
     # The compiled layer with each tile forced, CUDA graphs replayed in interleaved rounds in one
     # process on an H200 (bench/NOTES.md v14): the rule keeps the fastest measured here.
-    assert interface.choose_tiles("none", 2880, 1024, 4, 128, 132) == (64, 64)  # gpt-oss: 1563 vs 1602 µs at 256
-    assert interface.choose_tiles("none", 4096, 1024, 2, 8, 132) == (128, 128)  # mixtral: 1530 vs 1593 at 64x256
-    assert interface.choose_tiles("none", 7168, 1024, 8, 256, 132) == (64, 256)  # deepseek: 5492 vs 5472 at 128 (noise)
+    assert interface.choose_tiles("none", 2880, 1024, 4, 128, 132, k_dim=2880) == (64, 64)  # gpt-oss: 1563 vs 1602 µs at 256
+    assert interface.choose_tiles("none", 4096, 1024, 2, 8, 132, k_dim=14336) == (128, 128)  # mixtral: 1530 vs 1593 at 64x256
+    assert interface.choose_tiles("none", 7168, 1024, 8, 256, 132, k_dim=2048) == (64, 256)  # deepseek: 5492 vs 5472 at 128 (noise)
 
 
 def _swap_tiles(layout, n_out, m, k, e):
@@ -102,7 +115,7 @@ def test_swapped_tiles_where_rows_fit_in_enough_waves():
         m, k, e = rng.randint(1, 3000), rng.randint(1, 8), rng.choice((8, 16, 64, 128, 256))
         rows = math.ceil(m * k / min(e, m * k))
         want = layout != "interleaved" and rows <= 16 and _swap_tiles(layout, n_out, m, k, e) >= interface.FEW_WAVES * 132
-        assert (interface.choose_tiles(layout, n_out, m, k, e, 132) == interface.SWAP_TILE) == want, (layout, n_out, m, k, e)
+        assert (interface.choose_tiles(layout, n_out, m, k, e, 132, k_dim=SHORT_K) == interface.SWAP_TILE) == want, (layout, n_out, m, k, e)
         swapped += want
     assert swapped > 100
 
@@ -116,10 +129,51 @@ def test_measured_swapped_choices():
     }  # fmt: skip
     for name, m in measured:
         e, k, h, i = SHAPES[name]
-        assert interface.choose_tiles("concat", i, m, k, e, 132) == interface.SWAP_TILE, name
-        assert interface.choose_tiles("none", h, m, k, e, 132) == interface.SWAP_TILE, name
+        assert interface.choose_tiles("concat", i, m, k, e, 132, k_dim=h)[0] == 16, name
+        assert interface.choose_tiles("none", h, m, k, e, 132, k_dim=i)[0] == 16, name
     # Not swapped: mixtral M=128 (32 rows per expert, two token tiles re-read the weights: 675 -> 833),
-    # gpt-oss and qwen3 at M = 1 (one wave of wide tiles: 57.0 -> 60.7, 26.7 -> 27.7).
-    assert interface.choose_tiles("concat", 14336, 128, 2, 8, 132)[0] == 64
-    assert interface.choose_tiles("concat", 2880, 1, 4, 128, 132)[0] == 64
-    assert interface.choose_tiles("none", 2048, 1, 8, 128, 132)[0] == 64
+    # qwen3 at M = 1 (one wave of wide tiles: 26.7 -> 27.7; split-K 192 tiles: 26.5 -> 27.9, v21).
+    assert interface.choose_tiles("concat", 14336, 128, 2, 8, 132, k_dim=4096)[0] == 64
+    assert interface.choose_tiles("concat", 768, 1, 8, 128, 132, k_dim=2048)[0] == 64
+    assert interface.choose_tiles("none", 2048, 1, 8, 128, 132, k_dim=768)[0] == 64
+
+
+def _busiest(layout, n_out, m, k, e, tile):
+    # Tiles per SM rounded up, times the tile's weight rows; a gated tile of n rows makes n / 2 columns.
+    active = min(e, m * k)
+    cols = tile[1] // (1 if layout == "none" else 2)
+    return math.ceil(active * math.ceil(math.ceil(m * k / active) / tile[0]) * math.ceil(n_out / cols) / 132) * tile[1]
+
+
+def test_split_k_tile_where_k_is_long_and_rows_no_more():
+    # SPLIT_K_TILE exactly where an expert averages <= 16 rows, K >= SPLIT_K_MIN_K, and the busiest
+    # SM streams no more weight rows than with the rule's tile for a short K (fewer for GEMM2).
+    rng = random.Random(3)
+    split = 0
+    for _ in range(3000):
+        layout = rng.choice(LAYOUTS)
+        n_out = 64 * rng.randint(1, 300)
+        m, k, e = rng.randint(1, 3000), rng.randint(1, 8), rng.choice((8, 16, 64, 128, 256))
+        k_dim = rng.choice((SHORT_K, interface.SPLIT_K_MIN_K, 2880, 7168))
+        rows = math.ceil(m * k / min(e, m * k))
+        other = interface.choose_tiles(layout, n_out, m, k, e, 132, k_dim=SHORT_K)
+        mine, theirs = _busiest(layout, n_out, m, k, e, interface.SPLIT_K_TILE), _busiest(layout, n_out, m, k, e, other)
+        fewer = mine < theirs or (mine == theirs and layout != "none")
+        want = rows <= 16 and k_dim >= interface.SPLIT_K_MIN_K and fewer
+        got = interface.choose_tiles(layout, n_out, m, k, e, 132, k_dim=k_dim)
+        assert got == (interface.SPLIT_K_TILE if want else other), (layout, n_out, m, k, e, k_dim)
+        split += want
+    assert split > 100
+
+
+def test_measured_split_k_choices():
+    # The layer in graph with tiles forced (bench/NOTES.md v21), µs per call, rule before v21 ->
+    # split-K: gpt-oss M=16 GEMM1 and GEMM2 564.7 -> 560.5; deepseek M=16 GEMM1 1958.0 -> 1948.4, M=1
+    # GEMM1 167.1 -> 164.8; at M = 128 within 0.3% (gpt-oss 1392.4 -> 1392.0, deepseek 4964.6 -> 4961.2).
+    assert interface.choose_tiles("concat", 2880, 16, 4, 128, 132, k_dim=2880) == interface.SPLIT_K_TILE
+    assert interface.choose_tiles("none", 2880, 16, 4, 128, 132, k_dim=2880) == interface.SPLIT_K_TILE
+    assert interface.choose_tiles("concat", 2048, 16, 8, 256, 132, k_dim=7168) == interface.SPLIT_K_TILE
+    # Not split: short K (qwen3 M=16 183.0 -> 184.1 and 184.2; deepseek GEMM2, K 2048, M=16 1958.0 -> 1959.9).
+    assert interface.choose_tiles("concat", 768, 16, 8, 128, 132, k_dim=2048) == interface.SWAP_TILE
+    assert interface.choose_tiles("none", 2048, 16, 8, 128, 132, k_dim=768) == interface.SWAP_TILE
+    assert interface.choose_tiles("none", 7168, 16, 8, 256, 132, k_dim=2048) == interface.SWAP_TILE
