@@ -49,9 +49,10 @@ SWAP_TILE = (16, 128)
 SWAP_LAYOUTS = ("concat", "none")
 SWAP_ROWS = 16
 # Swapped with 64 weight rows (32 output columns with a gate), the consumer warpgroups splitting K:
-# every layout; only where K is at least SPLIT_K_MIN_K (see choose_tiles).
+# every layout. From K = LONG_K on, the swapped tiles are chosen by the weight rows the busiest SM
+# streams (see choose_tiles).
 SPLIT_K_TILE = (16, 64)
-SPLIT_K_MIN_K = 2560
+LONG_K = 2560
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -81,15 +82,25 @@ def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int,
     most SWAP_ROWS rows and its tiles (kernel tiles, 64 output columns each for the gated layouts,
     128 otherwise) fill at least FEW_WAVES waves; not for interleaved gates (bench/NOTES.md v20: a
     64-row tile re-reads its mostly empty A tile from shared memory in every WGMMA, which caps what
-    one CTA streams; with fewer tiles than that the finer 64-row tiles win)."""
-    tile = _unsplit_tiles(gate_layout, n_out, m, k, num_experts, sms)
+    one CTA streams; with fewer tiles than that the finer 64-row tiles win).
+    Last, while an expert averages at most SWAP_ROWS rows and the GEMM's K (k_dim: hidden for GEMM1,
+    intermediate for GEMM2) is at least LONG_K: of SPLIT_K_TILE (swapped, 64 weight rows, the
+    warpgroups splitting K), SWAP_TILE (whatever its waves) and the tile chosen so far, the one whose
+    busiest SM streams the fewest weight rows (_busiest_rows). Measured in graph on H200s
+    (bench/NOTES.md v21): split-K GEMM1 at gpt-oss M=1 57.0 -> 55.3 µs and 56.8 -> 56.2 (two
+    machines), mixtral M=1 172.3 -> 165.6, deepseek M=1 167.1 -> 164.8; GEMM2 16x128 at gpt-oss M=1
+    56.5 -> 55.3 (after the split-K GEMM1, which frees SMs later, GEMM2's 64-row tiles, one per CTA
+    and MMA-capped, are what the call waits on). With a shorter K (qwen3: 2048 and 768) the swapped
+    tiles were slower at M = 1 and 16 (per-tile costs over fewer k-tiles)."""
+    tile = _short_k_tiles(gate_layout, n_out, m, k, num_experts, sms)
     pairs = m * k
-    if _cdiv(pairs, max(1, min(num_experts, pairs))) <= SWAP_ROWS and k_dim >= SPLIT_K_MIN_K:
-        split = _busiest_rows(SPLIT_K_TILE, gate_layout, n_out, m, k, num_experts, sms)
-        other = _busiest_rows(tile, gate_layout, n_out, m, k, num_experts, sms)
-        if split < other or (split == other and gate_layout != "none"):
-            return SPLIT_K_TILE
-    return tile
+    if _cdiv(pairs, max(1, min(num_experts, pairs))) > SWAP_ROWS or k_dim < LONG_K:
+        return tile
+    # Ties go to the tile measured faster at equal rows: split-K for the gated GEMM1, the 128-row
+    # swapped tile for GEMM2 (bench/NOTES.md v21).
+    order = (SPLIT_K_TILE, SWAP_TILE, tile) if gate_layout != "none" else (SWAP_TILE, tile, SPLIT_K_TILE)
+    allowed = [t for t in order if t in tile_shapes(gate_layout)]
+    return min(allowed, key=lambda t: (_busiest_rows(t, gate_layout, n_out, m, k, num_experts, sms), order.index(t)))
 
 
 def _busiest_rows(tile: tuple[int, int], gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int) -> int:
@@ -103,8 +114,8 @@ def _busiest_rows(tile: tuple[int, int], gate_layout: str, n_out: int, m: int, k
     return _cdiv(tiles, sms) * tile_n
 
 
-def _unsplit_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int) -> tuple[int, int]:
-    """choose_tiles' choice before SPLIT_K_TILE is considered."""
+def _short_k_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int) -> tuple[int, int]:
+    """choose_tiles' choice where K < LONG_K or an expert averages more than SWAP_ROWS rows."""
     pairs = m * k
     active = max(1, min(num_experts, pairs))
     if gate_layout in SWAP_LAYOUTS and _cdiv(pairs, active) <= SWAP_ROWS:

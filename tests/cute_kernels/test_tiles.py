@@ -1,7 +1,7 @@
 """interface.choose_tiles: every choice is a compiled variant, swapped tiles only where an expert's
-rows fit one of them in enough waves, the split-K swapped tile only with a long K and no more rows on
-the busiest SM, and the few-waves rule fills the last wave. Below SPLIT_K_MIN_K (SHORT_K) the rule is
-the one before the split-K tile existed."""
+rows fit one of them in enough waves or, with a long K, where they stream the fewest weight rows on the
+busiest SM, and the few-waves rule fills the last wave. Below LONG_K (SHORT_K) the rule is the one
+before the split-K tile existed."""
 from __future__ import annotations
 
 import math
@@ -68,8 +68,10 @@ def test_measured_choices_at_one_token():
     # gpt-oss: 36.6 vs 41.4 µs at 128 alone (v12); in graph (concat) split-K 55.3 vs 57.0 (v21)
     assert interface.choose_tiles("interleaved", 2880, 1, 4, 128, 132, k_dim=2880) == interface.SPLIT_K_TILE
     assert interface.choose_tiles("interleaved", 2880, 1, 4, 128, 132, k_dim=SHORT_K) == (64, 96)
-    # gpt-oss: 25.9 vs 32.2 µs at 64 alone (v12); in graph 57.0 vs 57.6 split-K (v21, equal rows)
-    assert interface.choose_tiles("none", 2880, 1, 4, 128, 132, k_dim=2880) == (64, 128)
+    # gpt-oss: 25.9 vs 32.2 µs at 64 alone (v12); in graph, after a split-K GEMM1, 16x128 55.3 vs
+    # 56.5 at 64x128 and 56.5 at 16x64 (v21; all three 128 rows on the busiest SM)
+    assert interface.choose_tiles("none", 2880, 1, 4, 128, 132, k_dim=2880) == interface.SWAP_TILE
+    assert interface.choose_tiles("none", 2880, 1, 4, 128, 132, k_dim=SHORT_K) == (64, 128)
 
 
 def test_streaming_tiles_pad_the_fewest_columns():
@@ -145,24 +147,31 @@ def _busiest(layout, n_out, m, k, e, tile):
     return math.ceil(active * math.ceil(math.ceil(m * k / active) / tile[0]) * math.ceil(n_out / cols) / 132) * tile[1]
 
 
-def test_split_k_tile_where_k_is_long_and_rows_no_more():
-    # SPLIT_K_TILE exactly where an expert averages <= 16 rows, K >= SPLIT_K_MIN_K, and the busiest
-    # SM streams no more weight rows than with the rule's tile for a short K (fewer for GEMM2).
+def test_long_k_swapped_tiles_stream_the_fewest_rows():
+    # With <= 16 rows per expert and K >= LONG_K: of the split-K tile, the 128-row swapped tile (not
+    # for interleaved gates) and the short-K rule's tile, the one whose busiest SM streams the fewest
+    # weight rows; ties to split-K, then 16x128, for the gated GEMM1, to 16x128, then the short-K
+    # tile, for GEMM2.
     rng = random.Random(3)
     split = 0
     for _ in range(3000):
         layout = rng.choice(LAYOUTS)
         n_out = 64 * rng.randint(1, 300)
         m, k, e = rng.randint(1, 3000), rng.randint(1, 8), rng.choice((8, 16, 64, 128, 256))
-        k_dim = rng.choice((SHORT_K, interface.SPLIT_K_MIN_K, 2880, 7168))
+        k_dim = rng.choice((SHORT_K, interface.LONG_K, 2880, 7168))
         rows = math.ceil(m * k / min(e, m * k))
-        other = interface.choose_tiles(layout, n_out, m, k, e, 132, k_dim=SHORT_K)
-        mine, theirs = _busiest(layout, n_out, m, k, e, interface.SPLIT_K_TILE), _busiest(layout, n_out, m, k, e, other)
-        fewer = mine < theirs or (mine == theirs and layout != "none")
-        want = rows <= 16 and k_dim >= interface.SPLIT_K_MIN_K and fewer
+        short = interface.choose_tiles(layout, n_out, m, k, e, 132, k_dim=SHORT_K)
         got = interface.choose_tiles(layout, n_out, m, k, e, 132, k_dim=k_dim)
-        assert got == (interface.SPLIT_K_TILE if want else other), (layout, n_out, m, k, e, k_dim)
-        split += want
+        if rows > 16 or k_dim < interface.LONG_K:
+            assert got == short, (layout, n_out, m, k, e, k_dim)
+            continue
+        swap, fine = interface.SWAP_TILE, interface.SPLIT_K_TILE
+        order = [fine, swap, short] if layout != "none" else [swap, short, fine]
+        if layout == "interleaved":
+            order.remove(swap)
+        best = min(_busiest(layout, n_out, m, k, e, t) for t in order)
+        assert got == next(t for t in order if _busiest(layout, n_out, m, k, e, t) == best), (layout, n_out, m, k, e, k_dim)
+        split += got == fine
     assert split > 100
 
 
