@@ -21,7 +21,8 @@ Structure (warp-specialised, persistent):
   v15). With 64-row tiles (weight streaming) GEMM2 keeps the gather path with src(r) = r.
 - warpgroups 1 and 2 consume: with 128-row tiles each multiplies 64 of the rows, with 64-row tiles
   (experts with few rows) each takes half of the columns, with 16-row tiles (swapped: the weights
-  on WGMMA's M side, see MoeGemmSm90) each takes 64 weight rows, with WGMMA (fp32 accumulators); then they
+  on WGMMA's M side, see MoeGemmSm90) each takes 64 weight rows of 128, or half of every stage's
+  k-blocks of 64 (split-K), with WGMMA (fp32 accumulators); then they
   run the epilogue and store their elements, masked to the rows of the current expert, so partial
   tiles never write into the next expert's rows.
 - Every warpgroup walks the same sequence of work tiles: tile t = blockIdx.x, then + gridDim.x, ...;
@@ -131,7 +132,10 @@ class MoeGemmSm90:
     without WGMMAs streamed 1.7-2.9x faster); swapped, the weights are read once and the tokens are
     256 bytes per WGMMA. tile_n is then 128: [gate; up] as two 64-row parts, one per warpgroup (the
     up warpgroup hands its accumulators to the gate one through shared memory), or 128 rows split
-    between the two; interleaved gate/up pairs would land in different threads and are refused."""
+    between the two (interleaved gate/up pairs would land in different threads: refused); or 64
+    (k_split): both warpgroups multiply the same 64 rows, each half of every stage's k-blocks, and the
+    second hands its partial sums to the first; with a gate those rows are 32 columns' gate and up
+    rows paired by a 5-d TMA view (see __init__), for either gate layout."""
 
     tile_k = 64
     num_consumer_wgs = 2

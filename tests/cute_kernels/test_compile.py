@@ -91,9 +91,13 @@ def test_moe_gemm_variant(variant, tmp_path):
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(bf16|f16)", ptx)
     assert wgmma and {n for n, _ in wgmma} == {str(kernel.tile_m if kernel.swap else kernel.part_n // kernel.wg_grid[1])}
     assert "wgmma.fence" in ptx and "wgmma.commit_group" in ptx and "wgmma.wait_group" in ptx
-    # Weights by TMA (the compiler may duplicate the load loop's body, so count per part).
-    tma = ptx.count("cp.async.bulk.tensor.3d.shared::cta.global")
+    # Weights by TMA (the compiler may duplicate the load loop's body, so count per part): 3-d
+    # (K, rows, expert), or 5-d for paired gate/up rows (K, 8 rows, gate/up, blocks, expert).
+    tma = ptx.count(f"cp.async.bulk.tensor.{5 if kernel.paired else 3}d.shared::cta.global")
     assert tma >= kernel.num_parts and tma % kernel.num_parts == 0
+    if kernel.wg_part or kernel.k_split:
+        # The second consumer warpgroup hands its accumulators over behind a named barrier.
+        assert re.search(r"bar\.sync\s+1, 256;", ptx)
     # 64-row and swapped kernels may load weights as evict-first (for experts of one m-tile, chosen at
     # run time); 128-row kernels keep the DSL's default policy (0) on every load.
     evict_first = re.search(rf"\b({L2_EVICT_FIRST}|0x0*{L2_EVICT_FIRST:X})\b", ptx[ptx.index(".entry"):], flags=re.I)
@@ -178,18 +182,25 @@ def test_tiles_the_kernel_cannot_store_are_refused():
 
 
 def test_swapped_tiles_the_kernel_cannot_build_are_refused():
-    """tile_m 16 puts 64 weight rows on each consumer warpgroup's WGMMA M: other B part sizes, and
-    interleaved gate/up pairs (which would land in different threads), are refused before compiling."""
+    """tile_m 16 puts 64 weight rows on each consumer warpgroup's WGMMA M: 64 rows in all (split-K,
+    any gate layout) or 128 (one part per warpgroup); other sizes, and 128-row interleaved gate/up
+    (its pairs would land in different threads), are refused before compiling."""
     from cute_kernels.moe_gemm import Epilogue
 
-    with pytest.raises(ValueError, match="tile_m=16.*no interleaved gate"):
+    with pytest.raises(ValueError, match="tile_m=16 .*tile_n=128 and gate_layout 'interleaved'"):
         MoeGemmSm90(Epilogue("swigluoai", "interleaved"), tile_m=16, tile_n=128, gather=True)
     with pytest.raises(ValueError, match="tile_m=16 .*tile_n=256"):
         MoeGemmSm90(Epilogue("silu", "concat"), tile_m=16, tile_n=256, gather=True)
-    with pytest.raises(ValueError, match="tile_m=16 .*tile_n=64"):
-        MoeGemmSm90(Epilogue("none", "none"), tile_m=16, tile_n=64, gather=False)
+    with pytest.raises(ValueError, match="tile_m=16 .*tile_n=96"):
+        MoeGemmSm90(Epilogue("none", "none"), tile_m=16, tile_n=96, gather=False)
     assert MoeGemmSm90(Epilogue("silu", "concat"), tile_m=16, tile_n=128, gather=True).wg_part
     assert not MoeGemmSm90(Epilogue("none", "none"), tile_m=16, tile_n=128, gather=False).staged
+    # Split-K: one 64-row part; with a gate, gate and up rows paired in it (32 output columns).
+    for layout, act in (("concat", "silu"), ("interleaved", "swigluoai")):
+        kernel = MoeGemmSm90(Epilogue(act, layout), tile_m=16, tile_n=64, gather=True)
+        assert kernel.k_split and kernel.paired and kernel.num_parts == 1 and kernel.out_n == 32
+    kernel = MoeGemmSm90(Epilogue("none", "none"), tile_m=16, tile_n=64, gather=False)
+    assert kernel.k_split and not kernel.paired and kernel.out_n == 64
 
 
 def test_too_many_experts_declined():
