@@ -105,7 +105,7 @@ def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int,
 
 def _busiest_rows(tile: tuple[int, int], gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int) -> int:
     """Weight rows the busiest SM streams with `tile` (experts assumed evenly loaded): tiles per SM,
-    rounded up, times the tile's weight rows (a gated tile's make half as many output columns)."""
+    rounded up, times the tile's weight rows (a gated tile's rows make half as many output columns)."""
     pairs = m * k
     active = max(1, min(num_experts, pairs))
     tile_m, tile_n = tile

@@ -713,18 +713,12 @@ class MoeGemmSm90:
             # (1) of output column n % 8 + 8 (n // 16) (see the paired B view in __call__).
             frag = cute.shape(tCcC)
             assert frag[0][0] == 2 and frag[0][1] == 2 and frag[1] == 1 and frag[2] == 1, frag
-            interleaved = epi.gate_layout == "interleaved"
             for i in cutlass.range_constexpr(cute.size(acc0)):
                 if const_expr((i // 2) % 2 == 0):
                     n, m = tCcC[i]
                     col = col0 + n % 8 + 8 * (n // 16)
                     if m < rows_left and col < n_out:
-                        g = acc0[i]
-                        u = acc0[i + 2]
-                        if const_expr(epi.has_bias):
-                            g = g + mBias[e, 2 * col if interleaved else col].to(Float32)
-                            u = u + mBias[e, 2 * col + 1 if interleaved else n_out + col].to(Float32)
-                        mC[row0 + m, col] = _gated(epi.activation, g, u, epi.alpha, epi.limit).to(out_dtype)
+                        mC[row0 + m, col] = self._gate_up(acc0[i], acc0[i + 2], mBias, e, col, n_out).to(out_dtype)
         elif const_expr(self.swap):
             # Element i is (weight row n, token m) of the tile: output row row0 + m, column col0 + n.
             for i in cutlass.range_constexpr(cute.size(acc0)):
@@ -738,12 +732,7 @@ class MoeGemmSm90:
                 m, n = tCcC[2 * j]
                 col = col0 + n // 2
                 if m < rows_left and col < n_out:
-                    g = acc0[2 * j]
-                    u = acc0[2 * j + 1]
-                    if const_expr(epi.has_bias):
-                        g = g + mBias[e, 2 * col].to(Float32)
-                        u = u + mBias[e, 2 * col + 1].to(Float32)
-                    mC[row0 + m, col] = _gated(epi.activation, g, u, epi.alpha, epi.limit).to(out_dtype)
+                    mC[row0 + m, col] = self._gate_up(acc0[2 * j], acc0[2 * j + 1], mBias, e, col, n_out).to(out_dtype)
         elif const_expr(self.staged):
             self._store_staged(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, sEpi, sDest)
         else:
@@ -769,18 +758,26 @@ class MoeGemmSm90:
         """Fragment element i of output column col in float32: bias and the activation ([gate; up]
         from acc0 and acc1, or relu2)."""
         epi = self.epi
+        if const_expr(epi.gate_layout == "concat"):
+            return self._gate_up(acc0[i], acc1[i], mBias, e, col, n_out)
         y = acc0[i]
         if const_expr(epi.has_bias):
             y = y + mBias[e, col].to(Float32)
-        if const_expr(epi.gate_layout == "concat"):
-            u = acc1[i]
-            if const_expr(epi.has_bias):
-                u = u + mBias[e, n_out + col].to(Float32)
-            y = _gated(epi.activation, y, u, epi.alpha, epi.limit)
-        elif const_expr(epi.activation == "relu2"):
+        if const_expr(epi.activation == "relu2"):
             y = cute.arch.fmax(y, Float32(0.0))
             y = y * y
         return y
+
+    @cute.jit
+    def _gate_up(self, g, u, mBias, e, col, n_out):
+        """act(gate) * up of output column col in float32, from its gate and up sums and biases (for
+        [gate; up] at columns col and n_out + col of the bias row, interleaved at 2 col and 2 col + 1)."""
+        epi = self.epi
+        if const_expr(epi.has_bias):
+            gate_col, up_col = (2 * col, 2 * col + 1) if epi.gate_layout == "interleaved" else (col, n_out + col)
+            g = g + mBias[e, gate_col].to(Float32)
+            u = u + mBias[e, up_col].to(Float32)
+        return _gated(epi.activation, g, u, epi.alpha, epi.limit)
 
     @cute.jit
     def _store_staged(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, sEpi, sDest):
