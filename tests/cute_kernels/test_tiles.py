@@ -101,6 +101,14 @@ def test_measured_choices_at_1024_tokens():
     assert interface.choose_tiles("none", 7168, 1024, 8, 256, 132, k_dim=2048) == (64, 256)  # deepseek: 5492 vs 5472 at 128 (noise)
 
 
+def _draw(rng):
+    """A random (layout, n_out, m, k, e) around the swapped tiles' range, and the rows per expert."""
+    layout = rng.choice(LAYOUTS)
+    n_out = 64 * rng.randint(1, 300)
+    m, k, e = rng.randint(1, 3000), rng.randint(1, 8), rng.choice((8, 16, 64, 128, 256))
+    return layout, n_out, m, k, e, math.ceil(m * k / min(e, m * k))
+
+
 def _swap_tiles(layout, n_out, m, k, e):
     active = min(e, m * k)
     return active * math.ceil(math.ceil(m * k / active) / 16) * math.ceil(n_out / (64 if layout == "concat" else 128))
@@ -112,10 +120,7 @@ def test_swapped_tiles_where_rows_fit_in_enough_waves():
     rng = random.Random(2)
     swapped = 0
     for _ in range(3000):
-        layout = rng.choice(LAYOUTS)
-        n_out = 64 * rng.randint(1, 300)
-        m, k, e = rng.randint(1, 3000), rng.randint(1, 8), rng.choice((8, 16, 64, 128, 256))
-        rows = math.ceil(m * k / min(e, m * k))
+        layout, n_out, m, k, e, rows = _draw(rng)
         want = layout != "interleaved" and rows <= 16 and _swap_tiles(layout, n_out, m, k, e) >= interface.FEW_WAVES * 132
         assert (interface.choose_tiles(layout, n_out, m, k, e, 132, k_dim=SHORT_K) == interface.SWAP_TILE) == want, (layout, n_out, m, k, e)
         swapped += want
@@ -155,11 +160,8 @@ def test_long_k_swapped_tiles_stream_the_fewest_rows():
     rng = random.Random(3)
     split = 0
     for _ in range(3000):
-        layout = rng.choice(LAYOUTS)
-        n_out = 64 * rng.randint(1, 300)
-        m, k, e = rng.randint(1, 3000), rng.randint(1, 8), rng.choice((8, 16, 64, 128, 256))
+        layout, n_out, m, k, e, rows = _draw(rng)
         k_dim = rng.choice((SHORT_K, interface.LONG_K, 2880, 7168))
-        rows = math.ceil(m * k / min(e, m * k))
         short = interface.choose_tiles(layout, n_out, m, k, e, 132, k_dim=SHORT_K)
         got = interface.choose_tiles(layout, n_out, m, k, e, 132, k_dim=k_dim)
         if rows > 16 or k_dim < interface.LONG_K:
