@@ -188,6 +188,9 @@ class MoeGemmSm90:
         # Swapped with [gate; up] in 128 rows: each consumer warpgroup multiplies one 64-row B part
         # (wg_part), and the up warpgroup hands its accumulators to the gate one for the epilogue.
         self.wg_part = self.swap and self.num_parts == 2
+        # Both swapped 64-row kinds: the warpgroups share one warpgroup's MMA slicing, and the second
+        # hands its accumulators to the first (the up part, or the other k-blocks' partial sums).
+        self.hand_over = self.wg_part or self.k_split
         if self.swap and not self.k_split and (self.part_n != (64 if self.wg_part else 128) or epilogue.gate_layout == "interleaved"):
             raise ValueError(
                 f"tile_m=16 (swapped operands) with tile_n={tile_n} and gate_layout {epilogue.gate_layout!r}: it needs "
@@ -196,7 +199,7 @@ class MoeGemmSm90:
         # Consumer warpgroups along (M, N) of the MMA: with 128-row tiles 64 token rows each, with 64-row
         # tiles half of the weight rows each (as WGMMA's N), swapped 64 weight rows each (as its M), or
         # the same 64 (wg_part, k_split: the grid is one warpgroup's, each slices it by its own index).
-        self.wg_grid = (1, 2) if tile_m == 64 else ((1, 1) if self.wg_part or self.k_split else (2, 1))
+        self.wg_grid = (1, 2) if tile_m == 64 else ((1, 1) if self.hand_over else (2, 1))
         # Output columns per tile, and per consumer warpgroup.
         self.out_n = self.part_n // 2 if gated and self.num_parts == 1 else self.part_n
         self.wg_out_n = self.out_n // self.wg_grid[1]
@@ -295,7 +298,7 @@ class MoeGemmSm90:
             sA: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sA_layout)], 1024]
             sB0: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout) * rings0], 1024]
             sB1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout) * rings1 + 8], 1024]
-            sXchg: cute.struct.Align[cute.struct.MemRange[Float32, XCHG_ELEMS * 128 if self.wg_part or self.k_split else 4], 16]
+            sXchg: cute.struct.Align[cute.struct.MemRange[Float32, XCHG_ELEMS * 128 if self.hand_over else 4], 16]
             sEpi: cute.struct.Align[cute.struct.MemRange[mC.element_type, EPI_WARPS * 16 * EPI_STRIDE if self.staged else 8], 128]
             sDest: cute.struct.Align[cute.struct.MemRange[Int32, EPI_WARPS * 16 if self.staged else 4], 16]
             sOffsets: cute.struct.Align[cute.struct.MemRange[Int32, MAX_EXPERTS + 4], 16]
@@ -612,7 +615,7 @@ class MoeGemmSm90:
             sEpi = storage.sEpi.get_tensor(cute.make_layout((16, EPI_STRIDE, EPI_WARPS), stride=(EPI_STRIDE, 1, 16 * EPI_STRIDE)))
             sDest = storage.sDest.get_tensor(cute.make_layout((16, EPI_WARPS), stride=(1, 16)))
             ctid = tidx - 128
-            thr_mma = tiled_mma.get_slice(ctid % 128 if self.wg_part or self.k_split else ctid)
+            thr_mma = tiled_mma.get_slice(ctid % 128 if self.hand_over else ctid)
             sXchg = storage.sXchg.get_tensor(cute.make_layout((XCHG_ELEMS, 128), stride=(128, 1)))
             if const_expr(self.swap):
                 # The weights are the MMA's A operand and the tokens its B (C^T = B A^T per tile). With
@@ -678,7 +681,7 @@ class MoeGemmSm90:
                             pipe_a.consumer_release(release)
                         pipe_b.consumer_release(release)
                         release.advance()
-                    if const_expr(self.wg_part or self.k_split):
+                    if const_expr(self.hand_over):
                         # Warpgroup 2's accumulators to warpgroup 1 (same fragment layout, so thread t of
                         # one reads what thread t of the other wrote): the up part (wg_part), or the
                         # partial sums of the other k-blocks (k_split).
