@@ -71,6 +71,9 @@ class TokenSumSm90:
                 rows[j] = mInv[token * k + j]
                 scales[j] = mW[token * k + j]
         cute.arch.griddepcontrol_wait()
+        # The next kernel, if it launches as a programmatic dependent (the next MoE layer's routing
+        # plan), may now start and wait for this one; that hides its launch (bench/NOTES.md, v22).
+        cute.arch.griddepcontrol_launch_dependents()
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mY.element_type, num_bits_per_copy=128)
         res = cute.make_rmem_tensor((VEC,), mOut.element_type)
         c = part * THREADS + tidx

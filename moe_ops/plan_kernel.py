@@ -13,6 +13,11 @@ Two kernels compute it, chosen by the number of pairs P = M*k (launch_config):
 - by blocks (larger P): programs split the pairs into blocks; each histograms all P keys (the first
   term, and the second for pairs before its block) and ranks its block's pairs by sorting them. From
   P = 32768 that costs less than each key's two scans of all P keys (bench/NOTES.md, v17).
+
+On CUDA either kernel launches as a programmatic dependent (PDL) of the kernel before it and waits
+for it (griddepcontrol.wait) before reading topk_ids, so its launch overlaps that kernel's end: with
+back-to-back layers in a CUDA graph the next call starts ~0.5 µs sooner (bench/NOTES.md, v22). Small
+plans also let the GEMM after them launch at their start.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -42,6 +47,7 @@ def _routing_plan_by_blocks_kernel(
     ids_ptr, map_ptr, offsets_ptr, gather_ptr, inverse_ptr, scratch_ptr,
     num_pairs, k, num_experts, num_global,
     HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr, SCAN: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     if EARLY_LAUNCH:
         # The GEMM after the plan is a programmatic dependent launch: letting it launch now starts its
@@ -49,6 +55,10 @@ def _routing_plan_by_blocks_kernel(
         # plan's completion before reading anything it writes (griddepcontrol.wait), so this promises
         # nothing. Small plans only (EARLY_MAX_PAIRS).
         gdc_launch_dependents()
+    if PDL:
+        # Launched as a programmatic dependent of the kernel before it (see routing_plan_triton):
+        # nothing global is read or written before that kernel is complete.
+        gdc_wait()
     block = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     total = tl.zeros((BINS,), dtype=tl.int32)
@@ -96,12 +106,15 @@ def _routing_plan_by_blocks_kernel(
 def _routing_plan_by_keys_kernel(
     ids_ptr, map_ptr, offsets_ptr, gather_ptr, inverse_ptr,
     num_pairs, k, num_experts, num_global,
-    HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
+    HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, EARLY_LAUNCH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if EARLY_LAUNCH:
         # As in the blocks kernel: the GEMM after the plan sets up while it runs and waits for it to
         # finish before reading. Small plans only (EARLY_MAX_PAIRS).
         gdc_launch_dependents()
+    if PDL:
+        # As in the blocks kernel: the wait for the kernel before the plan.
+        gdc_wait()
     key_of_program = tl.program_id(0)  # an expert, or num_experts for the dropped pairs
     below = tl.zeros((), dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
@@ -199,10 +212,14 @@ def routing_plan_triton(
     sizes = (num_pairs, k, num_experts, emap.shape[0] if expert_map is not None else 0)
     # Grid dependency control is a GPU feature: Triton's interpreter (CPU tensors) has none.
     early = num_pairs <= EARLY_MAX_PAIRS and ids.is_cuda
+    # The plan itself launches as a programmatic dependent (PDL) of the kernel before it on the stream
+    # (a model's router, or the previous MoE layer's token sum, which lets it launch early): its launch
+    # overlaps that kernel's end, and it waits for it before reading (bench/NOTES.md, v22).
+    pdl = {"PDL": True, "launch_pdl": True} if ids.is_cuda else {"PDL": False}
     if launch.method == "keys":
         _routing_plan_by_keys_kernel[(num_experts + 1,)](
             ids, emap, offsets, gather, inverse, *sizes,
-            HAS_MAP=expert_map is not None, CHUNK=launch.chunk, EARLY_LAUNCH=early, num_warps=launch.num_warps,
+            HAS_MAP=expert_map is not None, CHUNK=launch.chunk, EARLY_LAUNCH=early, num_warps=launch.num_warps, **pdl,
         )  # fmt: skip
         return offsets, gather, inverse
     bins = triton.next_power_of_2(num_experts + 1)
@@ -211,6 +228,6 @@ def routing_plan_triton(
     _routing_plan_by_blocks_kernel[(grid,)](
         ids, emap, offsets, gather, inverse, scratch, *sizes,
         HAS_MAP=expert_map is not None, BLOCK=launch.block, BINS=bins, SCAN=launch.scan,
-        EARLY_LAUNCH=early, num_warps=launch.num_warps,
+        EARLY_LAUNCH=early, num_warps=launch.num_warps, **pdl,
     )  # fmt: skip
     return offsets, gather, inverse

@@ -141,6 +141,8 @@ def test_token_sum(dtype, tmp_path):
     assert "ld.global.b32" in body[:wait]
     assert not any(0 <= body.find(op) < wait for op in ("ld.global.v4", "st.global", "atom.", "red."))
     assert "ld.global.v4" in body[wait:]
+    # The next kernel (a programmatic dependent: the next layer's plan) may launch only after the wait.
+    assert body.index("griddepcontrol.launch_dependents") > wait
     if shutil.which("ptxas"):
         _check_resources(_ptxas(ptx, tmp_path))
 

@@ -147,3 +147,38 @@ def test_plan_launch_rejects_bad_settings(kwargs, match):
 
     with pytest.raises(ValueError, match=match):
         PlanLaunch(**kwargs)
+
+
+# Each kernel's signature for compiling it without a GPU (Triton's own ptxas, target sm_90).
+_SIGNATURES = {
+    "_routing_plan_by_keys_kernel": ({"CHUNK": 64}, ()),
+    "_routing_plan_by_blocks_kernel": ({"BLOCK": 128, "BINS": 16, "SCAN": 256}, ("scratch_ptr",)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SIGNATURES))
+def test_cuda_plan_waits_for_the_kernel_before_it(name):
+    """Launched as a programmatic dependent (launch_pdl), each kernel must not read topk_ids (or touch
+    any global memory) before griddepcontrol.wait: the kernel before it may still be writing them."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moe_ops import plan_kernel
+
+    sizes, extra_ptrs = _SIGNATURES[name]
+    ptrs = ("ids_ptr", "map_ptr", "offsets_ptr", "gather_ptr", "inverse_ptr", *extra_ptrs)
+    signature = {p: "*i32" for p in ptrs} | {s: "i32" for s in ("num_pairs", "k", "num_experts", "num_global")}
+    constants = {"HAS_MAP": True, "EARLY_LAUNCH": True, "PDL": True, **sizes}
+    signature |= {c: "constexpr" for c in constants}
+    src = ASTSource(getattr(plan_kernel, name), signature, constexprs=constants)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True})
+    assert compiled.metadata.launch_pdl
+    body = compiled.asm["ptx"]
+    body = body[body.index(".entry"):]
+    wait = body.find("griddepcontrol.wait")
+    assert wait >= 0, "no griddepcontrol.wait"
+    first_global = re.search(r"\b(ld|st|atom|red)\.global", body)
+    assert first_global is not None and first_global.start() > wait, "a global access before griddepcontrol.wait"
