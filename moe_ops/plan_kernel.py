@@ -214,7 +214,10 @@ def routing_plan_triton(
     early = num_pairs <= EARLY_MAX_PAIRS and ids.is_cuda
     # The plan itself launches as a programmatic dependent (PDL) of the kernel before it on the stream
     # (a model's router, or the previous MoE layer's token sum, which lets it launch early): its launch
-    # overlaps that kernel's end, and it waits for it before reading (bench/NOTES.md, v22).
+    # overlaps that kernel's end, and it waits for it before reading (bench/NOTES.md, v22). That wait
+    # covers all older work on the stream, as the kernel before it completes only after its own
+    # predecessors (a normal launch starts after them; a programmatic dependent waits for them). The
+    # token sum's early reads of topk_weights rely on the same chain (token_sum.py).
     pdl = {"PDL": True, "launch_pdl": True} if ids.is_cuda else {"PDL": False}
     if launch.method == "keys":
         _routing_plan_by_keys_kernel[(num_experts + 1,)](
