@@ -25,6 +25,8 @@ from cute_kernels.token_sum import TokenSumSm90  # noqa: E402
 
 import cutlass.cute as cute  # noqa: E402
 
+from tests.ptx import split_at_wait, touches_global  # noqa: E402
+
 VARIANTS = [
     *[(torch.bfloat16, *v) for v in interface.variants(torch.bfloat16, bias_dtypes=(None, torch.bfloat16, torch.float32))],
     *[(torch.float16, *v) for v in interface.variants(torch.float16, bias_dtypes=(None, torch.float16, torch.float32))],
@@ -62,16 +64,12 @@ def _waits_before_global_access(ptx: str, early_weights: bool) -> None:
     not touch global memory before griddepcontrol.wait: the previous kernel's writes are visible
     only after it. GEMM2's exception (MoeGemmSm90.early_b): the offsets and its weights, which
     GEMM1 does not write, loaded before the wait."""
-    body = ptx[ptx.index(".entry"):]
-    wait = body.find("griddepcontrol.wait")
-    assert wait >= 0, "no griddepcontrol.wait"
-    before = body[:wait]
+    before, after = split_at_wait(ptx)
     if early_weights:
         assert re.search(r"ld\.global\.cg\.b32", before) and "cp.async.bulk.tensor.3d" in before, "GEMM2 loads no weights early"
         before = re.sub(EARLY_ACCESS, "", before)
-    ops = ("ld.global", "st.global", "cp.async", "atom.global", "red.global")
-    assert not any(op in before for op in ops), "a global access before griddepcontrol.wait"
-    assert any(op in body[wait:] for op in ops)
+    assert not touches_global(before), "a global access before griddepcontrol.wait"
+    assert touches_global(after)
 
 
 def _id(v) -> str:

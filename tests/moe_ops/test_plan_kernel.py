@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from moe_ops.plan import routing_plan
+from tests.ptx import split_at_wait, touches_global
 
 # (M, k, E, expert_map, launch): each kernel with one program or chunk, with many programs and a partial
 # last block, with scan steps holding several blocks (a block in the middle of one), with several
@@ -160,8 +161,6 @@ _SIGNATURES = {
 def test_cuda_plan_waits_for_the_kernel_before_it(name):
     """Launched as a programmatic dependent (launch_pdl), each kernel must not read topk_ids (or touch
     any global memory) before griddepcontrol.wait: the kernel before it may still be writing them."""
-    import re
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -176,9 +175,6 @@ def test_cuda_plan_waits_for_the_kernel_before_it(name):
     src = ASTSource(getattr(plan_kernel, name), signature, constexprs=constants)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True})
     assert compiled.metadata.launch_pdl
-    body = compiled.asm["ptx"]
-    body = body[body.index(".entry"):]
-    wait = body.find("griddepcontrol.wait")
-    assert wait >= 0, "no griddepcontrol.wait"
-    first_global = re.search(r"\b(ld|st|atom|red)\.global", body)
-    assert first_global is not None and first_global.start() > wait, "a global access before griddepcontrol.wait"
+    before, after = split_at_wait(compiled.asm["ptx"])
+    assert not touches_global(before), "a global access before griddepcontrol.wait"
+    assert touches_global(after)
