@@ -59,6 +59,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _rows_per_expert(pairs: int, num_experts: int) -> tuple[int, int]:
+    """(experts with rows, rows each, rounded up) for `pairs` routed pairs spread evenly over
+    num_experts (at least one expert, so the tile rules stay defined at M = 0)."""
+    active = max(1, min(num_experts, pairs))
+    return active, _cdiv(pairs, active)
+
+
 def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int, *, k_dim: int) -> tuple[int, int]:
     """(tile_m, tile_n) for M tokens routed to k of E experts (assumed spread evenly; a host-side
     shape rule, no data read), from bench/tile_sweep.py on an H200 (bench/NOTES.md, v2 and v3):
@@ -94,7 +101,7 @@ def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int,
     tiles were slower at M = 1 and 16 (per-tile costs over fewer k-tiles)."""
     tile = _short_k_tiles(gate_layout, n_out, m, k, num_experts, sms)
     pairs = m * k
-    if _cdiv(pairs, max(1, min(num_experts, pairs))) > SWAP_ROWS or k_dim < LONG_K:
+    if _rows_per_expert(pairs, num_experts)[1] > SWAP_ROWS or k_dim < LONG_K:
         return tile
     # Ties go to the tile measured faster at equal rows: split-K for the gated GEMM1, the 128-row
     # swapped tile for GEMM2 (bench/NOTES.md v21).
@@ -107,25 +114,25 @@ def _busiest_rows(tile: tuple[int, int], gate_layout: str, n_out: int, m: int, k
     """Weight rows the busiest SM streams with `tile` (experts assumed evenly loaded): tiles per SM,
     rounded up, times the tile's weight rows (a gated tile's rows make half as many output columns)."""
     pairs = m * k
-    active = max(1, min(num_experts, pairs))
+    active, rows = _rows_per_expert(pairs, num_experts)
     tile_m, tile_n = tile
     out_cols = tile_n // (1 if gate_layout == "none" else 2)
-    tiles = active * _cdiv(_cdiv(pairs, active), tile_m) * _cdiv(n_out, out_cols)
+    tiles = active * _cdiv(rows, tile_m) * _cdiv(n_out, out_cols)
     return _cdiv(tiles, sms) * tile_n
 
 
 def _short_k_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int) -> tuple[int, int]:
     """choose_tiles' choice where K < LONG_K or an expert averages more than SWAP_ROWS rows."""
     pairs = m * k
-    active = max(1, min(num_experts, pairs))
-    if gate_layout in SWAP_LAYOUTS and _cdiv(pairs, active) <= SWAP_ROWS:
+    active, rows = _rows_per_expert(pairs, num_experts)
+    if gate_layout in SWAP_LAYOUTS and rows <= SWAP_ROWS:
         # Output columns per swapped tile: tile_n weight rows, half of them up rows with [gate; up].
         swap_cols = SWAP_TILE[1] // (2 if gate_layout == "concat" else 1)
-        tiles = active * _cdiv(_cdiv(pairs, active), SWAP_TILE[0]) * _cdiv(n_out, swap_cols)
+        tiles = active * _cdiv(rows, SWAP_TILE[0]) * _cdiv(n_out, swap_cols)
         if tiles >= FEW_WAVES * sms:
             return SWAP_TILE
     tile_m = 64 if pairs < 64 * num_experts else 128
-    m_tiles = active * _cdiv(_cdiv(pairs, active), tile_m)
+    m_tiles = active * _cdiv(rows, tile_m)
     waves = lambda tile_n: m_tiles * _cdiv(n_out, tile_n) / sms  # noqa: E731
     if gate_layout != "none":
         tile_n = 256 if pairs >= 64 * num_experts else 128
