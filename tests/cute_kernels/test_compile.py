@@ -93,7 +93,7 @@ def test_moe_gemm_variant(variant, tmp_path):
     # (K, rows, expert), or 5-d for paired gate/up rows (K, 8 rows, gate/up, blocks, expert).
     tma = ptx.count(f"cp.async.bulk.tensor.{5 if kernel.paired else 3}d.shared::cta.global")
     assert tma >= kernel.num_parts and tma % kernel.num_parts == 0
-    if kernel.wg_part or kernel.k_split:
+    if kernel.hand_over:
         # The second consumer warpgroup hands its accumulators over behind a named barrier.
         assert re.search(r"bar\.sync\s+1, 256;", ptx)
     # 64-row and swapped kernels may load weights as evict-first (for experts of one m-tile, chosen at
