@@ -5,6 +5,7 @@ graphs of GRAPH_CALLS calls (each call its own routing, consecutive calls on dis
 `python -m moe_ops.bench`'s "in graph" column), kernels that do nothing but read those bytes:
 - read_1: one Triton launch reading every routed expert's W1 and W2 slices (no dependency, no MMA);
 - read_2: the same bytes in two launches, W1's then W2's (the least a GEMM1 -> GEMM2 layer could take);
+- read_2 pdl: read_2 with W2's launch a programmatic dependent that waits for W1's (as GEMM2 does);
 - sum: torch.sum over one contiguous buffer of the same size (16 buffers in rotation);
 against the compiled layer, all interleaved in one process (bench/NOTES.md v14 item 3). Each read
 kernel is tried over a small sweep of configurations (CONFIGS) and reported at each, after each
@@ -19,6 +20,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 import lowering
 from moe_ops import fused_experts
@@ -27,9 +29,15 @@ from tile_ab import interleaved_times
 
 
 @triton.jit
-def _read_slices(a, b, ids, out, a_elems, b_elems, a_stride, b_stride, a_programs, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _read_slices(
+    a, b, ids, out, a_elems, b_elems, a_stride, b_stride, a_programs,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, TRIGGER: tl.constexpr, WAIT: tl.constexpr,
+):  # fmt: skip
     """Programs [0, a_programs) read CHUNK-element pieces of a[ids[j]] (a_elems each; the last piece
-    masked), the rest of b[ids[j]]; every program adds its sum into out[0] so the loads stay live."""
+    masked), the rest of b[ids[j]]; every program adds its sum into out[0] so the loads stay live.
+    TRIGGER lets a programmatic dependent launch at once; WAIT waits for the kernel before (PDL)."""
+    if TRIGGER:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     if pid < a_programs:
@@ -43,24 +51,29 @@ def _read_slices(a, b, ids, out, a_elems, b_elems, a_stride, b_stride, a_program
         e = tl.load(ids + q // per).to(tl.int64)
         start = (q % per) * CHUNK
         base, n = b + e * b_stride + start, b_elems - start
+    if WAIT:
+        gdc_wait()
     for off in range(0, CHUNK, BLOCK):
         idx = off + tl.arange(0, BLOCK)
         acc += tl.load(base + idx, mask=(idx < n) & (idx < CHUNK), other=0.0, eviction_policy="evict_first").to(tl.float32)
     tl.atomic_add(out, tl.sum(acc))
 
 
-def read(w13, w2, ids, out, chunk, parts, block=2048, warps=8):
+def read(w13, w2, ids, out, chunk, parts, block=2048, warps=8, pdl=False):
     """Read w13[ids] and w2[ids] in one launch (parts=1) or two (parts=2, W1 first), programs of
-    `chunk` elements loading `block` at a time with `warps` warps."""
+    `chunk` elements loading `block` at a time with `warps` warps. pdl (parts=2): W2's launch is a
+    programmatic dependent of W1's, launched at once and waiting for it before its loads, as the
+    layer's GEMM2 waits for GEMM1."""
     a_elems, b_elems = w13[0].numel(), w2[0].numel()
     k = ids.numel()
     na, nb = k * triton.cdiv(a_elems, chunk), k * triton.cdiv(b_elems, chunk)
     args = dict(CHUNK=chunk, BLOCK=block, num_warps=warps)
+    common = (w13, w2, ids, out, a_elems, b_elems, w13.stride(0), w2.stride(0))
     if parts == 1:
-        _read_slices[(na + nb,)](w13, w2, ids, out, a_elems, b_elems, w13.stride(0), w2.stride(0), na, **args)
+        _read_slices[(na + nb,)](*common, na, TRIGGER=False, WAIT=False, **args)
     else:
-        _read_slices[(na,)](w13, w2, ids, out, a_elems, b_elems, w13.stride(0), w2.stride(0), na, **args)
-        _read_slices[(nb,)](w13, w2, ids, out, a_elems, b_elems, w13.stride(0), w2.stride(0), 0, **args)
+        _read_slices[(na,)](*common, na, TRIGGER=pdl, WAIT=False, **args)
+        _read_slices[(nb,)](*common, 0, TRIGGER=False, WAIT=pdl, **args, **({"launch_pdl": True} if pdl else {}))
 
 
 # (elements per program, elements per load step, warps): a small sweep, since the floor is the best.
@@ -96,9 +109,9 @@ def main(shapes) -> None:
         with torch.fx.experimental._config.patch(backed_size_oblivious=True):
             variants["layer"] = capture(lambda: [layer(x, w13, w2, tw, d) for x, tw, d in sets])
         for chunk, block, warps in CONFIGS:
-            for parts in (1, 2):
-                variants[f"read_{parts} {chunk}/{block}/{warps}w"] = capture(
-                    lambda c=chunk, p=parts, b=block, w=warps: [read(w13, w2, d, out, c, p, b, w) for d in ids]
+            for name, parts, pdl in (("read_1", 1, False), ("read_2", 2, False), ("read_2 pdl", 2, True)):
+                variants[f"{name} {chunk}/{block}/{warps}w"] = capture(
+                    lambda c=chunk, p=parts, b=block, w=warps, q=pdl: [read(w13, w2, d, out, c, p, b, w, q) for d in ids]
                 )
         variants["sum"] = capture(lambda: [b.sum() for b in bufs])
         sol = nbytes / bandwidth * 1e6
