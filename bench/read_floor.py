@@ -4,7 +4,7 @@ At M = 1 the layer reads each routed expert's W1 [2I, H] and W2 [H, I] once. Thi
 graphs of GRAPH_CALLS calls (each call its own routing, consecutive calls on disjoint experts, as
 `python -m moe_ops.bench`'s "in graph" column), kernels that do nothing but read those bytes:
 - read_1: one Triton launch reading every routed expert's W1 and W2 slices (no dependency, no MMA);
-- read_2: the same bytes in two launches, W1's then W2's (the least a GEMM1 -> GEMM2 layer could take);
+- read_2: the same bytes in two launches in stream order, W1's then W2's;
 - read_2 pdl: read_2 with W2's launch a programmatic dependent that waits for W1's (as GEMM2 does);
 - sum: torch.sum over one contiguous buffer of the same size (16 buffers in rotation);
 against the compiled layer, all interleaved in one process (bench/NOTES.md v14 item 3). Each read
@@ -82,7 +82,7 @@ CONFIGS = [(c, b, w) for c in (8192, 16384, 32768) for b, w in ((1024, 4), (2048
 
 def steady_rates(configs) -> list[float]:
     """TB/s of read_1 at each configuration over one contiguous 1 GiB buffer (its ramp and tail
-    negligible), 16 buffers' worth in a graph: whether the reader itself can stream at the copy rate."""
+    negligible), one read per graph: whether the reader itself can stream at the copy rate."""
     big = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16).view(1, -1)
     tiny = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
     zero, out = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(1, device="cuda")
@@ -97,7 +97,7 @@ def main(shapes) -> None:
     rates = steady_rates(CONFIGS)
     print("read_1 over 1 GiB: " + ", ".join(f"{c}/{b}/{w}w {r:.2f} TB/s" for (c, b, w), r in zip(CONFIGS, rates)), flush=True)
     for shape in shapes:
-        e, k, h, i = SHAPES[shape]
+        k = SHAPES[shape][1]
         w13, w2 = expert_weights(shape)
         sets = graph_inputs(shape, 1)
         ids = [s[2].reshape(-1).to(torch.int32) for s in sets]
