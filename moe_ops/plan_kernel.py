@@ -7,12 +7,13 @@ program waits on another). A pair p with key e (its local expert, E for a droppe
     row(p) = #pairs with a key below e  +  #pairs before p with key e
 
 Two kernels compute it, chosen by the number of pairs P = M*k (launch_config):
-- by keys (P <= 16384): one program per key e in 0..E scans all P keys twice, once summing key < e (the
+- by keys (P <= 4096): one program per key e in 0..E scans all P keys twice, once summing key < e (the
   offset of e) and once numbering its own pairs with a running prefix sum. Only comparisons, sums and
   one scan per chunk: 1.3-3.4 µs up to P = 1024 on an H200, where the blocks kernel took 2.1-13 µs.
-- by blocks (larger P): programs split the pairs into blocks; each histograms all P keys (the first
-  term, and the second for pairs before its block) and ranks its block's pairs by sorting them. From
-  P = 32768 that costs less than each key's two scans of all P keys (bench/NOTES.md, v17).
+- by blocks (larger P): programs split the pairs into blocks; each histograms the experts' keys of all
+  P pairs (the first term, and the second for pairs before its block) and ranks its block's pairs by
+  sorting them. From P = 8192 that costs less than each key's two scans of all P keys (bench/NOTES.md,
+  v17, v26).
 
 On CUDA either kernel launches as a programmatic dependent (PDL) of the kernel before it and waits
 for it (griddepcontrol.wait) before reading topk_ids, so its launch overlaps that kernel's end: with
@@ -64,37 +65,46 @@ def _routing_plan_by_blocks_kernel(
     total = tl.zeros((BINS,), dtype=tl.int32)
     before = tl.zeros((BINS,), dtype=tl.int32)
     # The histograms of all pairs and of the pairs before this block, SCAN (a multiple of BLOCK) pairs
-    # at a time; only the chunk holding this block needs a second, masked histogram.
+    # at a time; only the chunk holding this block needs a second, masked histogram. They count the
+    # experts' pairs only: the dropped pairs' counts follow from the sums, so BINS need not hold the
+    # key E (a histogram's cost grows with its bins: E = 128 takes 128 instead of 256).
     block_start = block * BLOCK
     for start in range(0, num_pairs, SCAN):
         offs = start + tl.arange(0, SCAN)
         mask = offs < num_pairs
         key = _keys(ids_ptr, map_ptr, offs, mask, num_experts, num_global, HAS_MAP)
-        hist = tl.histogram(key, BINS, mask=mask)
+        hist = tl.histogram(key, BINS, mask=mask & (key < num_experts))
         total += hist
         if start + SCAN <= block_start:
             before += hist
         elif start <= block_start:
-            before += tl.histogram(key, BINS, mask=mask & (offs < block_start))
+            before += tl.histogram(key, BINS, mask=mask & (key < num_experts) & (offs < block_start))
     starts = tl.cumsum(total, 0) - total  # exclusive: the first row of each key
+    routed = tl.sum(total, 0)  # the first row of the dropped pairs
     bins = tl.arange(0, BINS)
     if block == 0:
-        tl.store(offsets_ptr + bins, starts, mask=bins <= num_experts)
+        tl.store(offsets_ptr + bins, starts, mask=bins < num_experts)
+        tl.store(offsets_ptr + num_experts, routed)
 
     offs = block * BLOCK + lanes
     mask = offs < num_pairs
     key = _keys(ids_ptr, map_ptr, offs, mask, num_experts, num_global, HAS_MAP)
-    mine = tl.histogram(key, BINS, mask=mask)
+    mine = tl.histogram(key, BINS, mask=mask & (key < num_experts))
     mine_starts = tl.cumsum(mine, 0) - mine
-    # Padding lanes get key BINS: they sort after every real pair.
-    order = tl.sort(tl.where(mask, key, BINS) * BLOCK + lanes)
+    # Padding lanes get key BINS + 1: they sort after every real pair, the dropped ones (key E <= BINS)
+    # included.
+    order = tl.sort(tl.where(mask, key, BINS + 1) * BLOCK + lanes)
     sorted_key = order // BLOCK
     pair = block * BLOCK + order % BLOCK
-    valid = sorted_key < BINS
-    # row = starts[key] + before[key] + (j - mine_starts[key]) for the j-th sorted lane. Indexing a
-    # register vector by a per-lane key goes through this program's slice of global scratch.
-    base = scratch_ptr + block * BINS
-    tl.store(base + bins, starts + before - mine_starts)
+    valid = sorted_key <= BINS
+    # row = starts[key] + before[key] + (j - mine_starts[key]) for the j-th sorted lane; for the key E
+    # that is routed + (dropped pairs before this block) - (routed pairs in it), the dropped sorting
+    # after them. Indexing a register vector by a per-lane key goes through this program's BINS + 1
+    # entries of global scratch: entry E holds the dropped pairs' term (E < BINS: a bin no pair has).
+    dropped = routed + (block_start - tl.sum(before, 0)) - tl.sum(mine, 0)
+    base = scratch_ptr + block * (BINS + 1)
+    tl.store(base + bins, tl.where(bins == num_experts, dropped, starts + before - mine_starts))
+    tl.store(base + BINS, dropped)
     tl.debug_barrier()
     row = tl.load(base + sorted_key, mask=valid, other=0) + lanes
     tl.store(inverse_ptr + pair, row, mask=valid)
@@ -135,9 +145,13 @@ def _routing_plan_by_keys_kernel(
         taken += tl.sum(mine)
 
 
-# Plans up to this many pairs run by keys; larger ones by blocks (measured crossover, bench/NOTES.md v17:
-# by keys P = 16384 took 16.8 µs against 31.0, P = 32768 32.7 against 32.5, P = 65536 65-127 against 60-93).
-KEYS_MAX_PAIRS = 16384
+# Plans up to this many pairs run by keys; larger ones by blocks (measured crossover, bench/NOTES.md v26,
+# H200, µs, keys / blocks: P = 4096 4.9 / 6.4, P = 8192 8.8 / 8.4 (E = 128) and 13.0 / 12.2 (E = 256),
+# P = 16384 16.5 / 10.8, P = 32768 32.1 / 21.7, P = 65536 64.4 / 39.3 (E = 128) and 125.9 / 61.7).
+KEYS_MAX_PAIRS = 4096
+# The blocks kernel's launch at every P and E it serves: the best of eleven block / scan / warps
+# settings at each of the eight points from P = 2048 to 65536 (or within 0.5 µs of it; v26).
+BLOCKS_LAUNCH_ARGS = dict(num_warps=8, block=512, scan=2048)
 # Plans up to this many pairs let the GEMM after them launch at their start (v16, v17): in the layer
 # 0.5-5 µs faster up to P = 1024, and up to 3% slower at P = 8192-65536 with E = 256.
 EARLY_MAX_PAIRS = 1024
@@ -166,30 +180,18 @@ class PlanLaunch:
             raise ValueError(f"PlanLaunch: scan ({self.scan}) must be at least block ({self.block})")
 
 
-def _blocks_config(num_pairs: int, num_experts: int) -> PlanLaunch:
-    """From timings of the blocks kernel alone on an H200: with few experts (bins <= 64) one block per
-    1-2K pairs and 8-16K-pair scan steps (v5); with many, smaller blocks and scan steps and 8-16 warps
-    (v10: P = 65536, E = 128 91.4 -> 62.7 µs; E = 256 134.7 -> 96.3)."""
-    p2 = max(128, triton.next_power_of_2(num_pairs))
-    bins = triton.next_power_of_2(num_experts + 1)
-    if p2 <= 1024 or bins <= 64:
-        return PlanLaunch("blocks", 4, block=min(1024, p2), scan=p2) if p2 <= 8192 else PlanLaunch("blocks", 8, block=2048, scan=16384)
-    if p2 <= 8192:
-        return PlanLaunch("blocks", 8, block=512, scan=2048)
-    return PlanLaunch("blocks", 8, block=512, scan=4096) if bins <= 256 else PlanLaunch("blocks", 16, block=1024, scan=8192)
+def _bins(num_experts: int) -> int:
+    """The blocks kernel's histogram bins: one per expert, rounded up to a power of two (at least 16)."""
+    return max(16, triton.next_power_of_2(num_experts))
 
 
 def launch_config(num_pairs: int, num_experts: int) -> PlanLaunch:
     """The launch for P pairs over E experts, from timings of both kernels alone at the benchmark's
-    points on an H200 (v17). By keys: the whole plan in one chunk up to 4096 pairs, 8 warps from 512
-    pairs; with 256 experts and more than 4096 pairs (two programs per SM) 2048-pair chunks and 4 warps
-    (P = 8192: 13.5 µs against 17.1 for 4096 x 8)."""
+    points on an H200 (v17, v26). By keys: the whole plan in one chunk, 8 warps from 512 pairs."""
     if num_pairs > KEYS_MAX_PAIRS:
-        return _blocks_config(num_pairs, num_experts)
-    if num_experts >= 256 and num_pairs > 4096:
-        return PlanLaunch("keys", 4, chunk=2048)
+        return PlanLaunch("blocks", **BLOCKS_LAUNCH_ARGS)
     p2 = max(16, triton.next_power_of_2(num_pairs))
-    return PlanLaunch("keys", 8 if num_pairs >= 512 else 4, chunk=min(p2, 4096))
+    return PlanLaunch("keys", 8 if num_pairs >= 512 else 4, chunk=p2)
 
 
 def routing_plan_triton(
@@ -225,9 +227,9 @@ def routing_plan_triton(
             HAS_MAP=expert_map is not None, CHUNK=launch.chunk, EARLY_LAUNCH=early, num_warps=launch.num_warps, **pdl,
         )  # fmt: skip
         return offsets, gather, inverse
-    bins = triton.next_power_of_2(num_experts + 1)
+    bins = _bins(num_experts)
     grid = max(1, triton.cdiv(num_pairs, launch.block))
-    scratch = torch.empty(grid * bins, dtype=torch.int32, device=device)
+    scratch = torch.empty(grid * (bins + 1), dtype=torch.int32, device=device)
     _routing_plan_by_blocks_kernel[(grid,)](
         ids, emap, offsets, gather, inverse, scratch, *sizes,
         HAS_MAP=expert_map is not None, BLOCK=launch.block, BINS=bins, SCAN=launch.scan,

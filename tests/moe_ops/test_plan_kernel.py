@@ -18,7 +18,8 @@ from tests.ptx import split_at_wait, touches_global
 
 # (M, k, E, expert_map, launch): each kernel with one program or chunk, with many programs and a partial
 # last block, with scan steps holding several blocks (a block in the middle of one), with several
-# chunks (a key's pairs numbered across them), an expert map with remote and out-of-range ids, skewed
+# chunks (a key's pairs numbered across them), an expert map with remote and out-of-range ids (in the
+# blocks kernel the dropped pairs' key E is one past its bins at E = 16 and 256, one of them at E = 17), skewed
 # routing, and no tokens at all. launch: None (launch_config's choice), "keys:CHUNK" or
 # "blocks:BLOCK:SCAN".
 INTERPRETER_CASES = [
@@ -27,6 +28,8 @@ INTERPRETER_CASES = [
     (150, 4, 16, False, "blocks:128:256"),
     (150, 4, 16, False, "keys:64"),
     (90, 8, 256, True, "blocks:64:512"),
+    (150, 4, 16, True, "blocks:32:128"),
+    (64, 4, 17, True, "blocks:32:64"),
     (90, 8, 256, True, "keys:128"),
     (200, 2, 8, "skewed", "blocks:64:64"),
     (200, 2, 8, "skewed", "keys:32"),
