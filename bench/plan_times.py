@@ -3,7 +3,7 @@ benchmark's shapes and token counts: launch_config's choice, and each kernel at 
 (keys: the whole plan in 4096-pair chunks, 8 warps; blocks: BLOCKS_LAUNCH_ARGS). Each launch is first
 checked bit for bit against the reference (moe_ops.plan's torch code), then timed in a CUDA graph of
 40 launches (median of 15 replays after 5 untimed, µs per launch). The data behind plan_kernel.launch_config and
-KEYS_MAX_PAIRS (bench/NOTES.md v17, v18). Prints a markdown table."""
+KEYS_MAX_PAIRS (bench/NOTES.md v17, v18, v26). Prints a markdown table."""
 from __future__ import annotations
 
 import argparse
