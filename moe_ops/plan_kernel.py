@@ -181,8 +181,8 @@ class PlanLaunch:
 
 
 def _bins(num_experts: int) -> int:
-    """The blocks kernel's histogram bins: one per expert, rounded up to a power of two, at least 16 (fewer
-    were never timed or run on a GPU: the old rule gave E = 8 its 16 and smaller E ran by keys)."""
+    """The blocks kernel's histogram bins: one per expert, rounded up to a power of two, at least 16 (the
+    fewest timed on a GPU: mixtral's E = 8 under the old rule of next_power_of_2(E + 1))."""
     return max(16, triton.next_power_of_2(num_experts))
 
 
