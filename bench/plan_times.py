@@ -1,6 +1,6 @@
 """python bench/plan_times.py [--shapes ...] [--tokens ...]: the routing plan alone, per launch, at the
 benchmark's shapes and token counts: launch_config's choice, and each kernel at its own default
-(keys: the whole plan in 4096-pair chunks, 8 warps; blocks: BLOCKS_LAUNCH_ARGS). Each launch is first
+(keys: the whole plan in 4096-pair chunks, 8 warps; blocks: BLOCKS_LAUNCH). Each launch is first
 checked bit for bit against the reference (moe_ops.plan's torch code), then timed in a CUDA graph of
 40 launches (median of 15 replays after 5 untimed, µs per launch). The data behind plan_kernel.launch_config and
 KEYS_MAX_PAIRS (bench/NOTES.md v17, v18, v26). Prints a markdown table."""
@@ -40,7 +40,7 @@ def main(argv=None) -> None:
             launches = {
                 "rule": plan_kernel.launch_config(p, e),
                 "keys": plan_kernel.PlanLaunch("keys", 8, chunk=4096),
-                "blocks": plan_kernel.PlanLaunch("blocks", **plan_kernel.BLOCKS_LAUNCH_ARGS),
+                "blocks": plan_kernel.BLOCKS_LAUNCH,
             }
             cells = []
             for launch in launches.values():

@@ -149,9 +149,6 @@ def _routing_plan_by_keys_kernel(
 # H200, µs, keys / blocks: P = 4096 4.9 / 6.4, P = 8192 8.8 / 8.4 (E = 128) and 13.0 / 12.2 (E = 256),
 # P = 16384 16.5 / 10.8, P = 32768 32.1 / 21.7, P = 65536 64.4 / 39.3 (E = 128) and 125.9 / 61.7).
 KEYS_MAX_PAIRS = 4096
-# The blocks kernel's launch at every P and E it serves: the best of eleven block / scan / warps
-# settings at each of the eight points from P = 2048 to 65536 (or within 0.5 µs of it; v26).
-BLOCKS_LAUNCH_ARGS = dict(num_warps=8, block=512, scan=2048)
 # Plans up to this many pairs let the GEMM after them launch at their start (v16, v17): in the layer
 # 0.5-5 µs faster up to P = 1024, and up to 3% slower at P = 8192-65536 with E = 256.
 EARLY_MAX_PAIRS = 1024
@@ -180,6 +177,11 @@ class PlanLaunch:
             raise ValueError(f"PlanLaunch: scan ({self.scan}) must be at least block ({self.block})")
 
 
+# The blocks kernel's launch at every P and E it serves: the best of eleven block / scan / warps
+# settings at each of the eight points from P = 2048 to 65536 (or within 0.5 µs of it; v26).
+BLOCKS_LAUNCH = PlanLaunch("blocks", 8, block=512, scan=2048)
+
+
 def _bins(num_experts: int) -> int:
     """The blocks kernel's histogram bins: one per expert, rounded up to a power of two, at least 16 (the
     fewest timed on a GPU: mixtral's E = 8 under the old rule of next_power_of_2(E + 1))."""
@@ -190,7 +192,7 @@ def launch_config(num_pairs: int, num_experts: int) -> PlanLaunch:
     """The launch for P pairs over E experts, from timings of both kernels alone at the benchmark's
     points on an H200 (v17, v26). By keys: the whole plan in one chunk, 8 warps from 512 pairs."""
     if num_pairs > KEYS_MAX_PAIRS:
-        return PlanLaunch("blocks", **BLOCKS_LAUNCH_ARGS)
+        return BLOCKS_LAUNCH
     p2 = max(16, triton.next_power_of_2(num_pairs))
     return PlanLaunch("keys", 8 if num_pairs >= 512 else 4, chunk=p2)
 
