@@ -1,9 +1,11 @@
 """The interface of cute_kernels: support checks (with the reason when a request cannot be served)
 and launchers that take torch tensors, compile on first use and launch on torch's current stream.
 
-gate_up(x [M, H], w [E, N, H], bias [E, N] | None, offsets [E+1], gather [P]) -> [P, I]
+gate_up(x [M, H], w [E, N, H], bias [E, N] | None, offsets [E+1], gather [P], expert_ids [M, k] | None) -> [P, I]
     GEMM1 over the grouped rows, tokens gathered in the kernel, activation (and bias) in the epilogue.
-    N = 2I for gated activations ([gate; up] "concat" or "interleaved"), I for relu2.
+    N = 2I for gated activations ([gate; up] "concat" or "interleaved"), I for relu2. expert_ids (the
+    routing plan's input, when the ids are local): a hint the kernel reads at M = 1 to start its
+    weights early (moe_gemm.py); the output does not depend on it.
 down_reduce(a [P, I], w [E, H, I], bias [E, H] | None, offsets, gather [P], topk_weights [M, k], inverse [P]) -> [M, H]
     GEMM2 over the grouped rows into a [P, H] scratch in grouped-row order; then the deterministic
     per-token sum of the router-weighted rows (token_sum.py).
@@ -22,7 +24,7 @@ from cutlass import Int32  # noqa: E402
 from cutlass.cute import AddressSpace  # noqa: E402
 from cutlass.cute.runtime import make_ptr  # noqa: E402
 
-from .moe_gemm import MAX_EXPERTS, Epilogue, MoeGemmSm90  # noqa: E402
+from .moe_gemm import HINT_MAX_PAIRS, MAX_EXPERTS, Epilogue, MoeGemmSm90  # noqa: E402
 from .token_sum import TokenSumSm90  # noqa: E402
 
 GATED = ("silu", "gelu", "gelu_tanh", "swigluoai")
@@ -208,8 +210,8 @@ def _stream(device: torch.device):
 def gemm_compile_args(a_dtype, bias_dtype) -> tuple:
     """Placeholder arguments with MoeGemmSm90.__call__'s types, to compile it without tensors."""
     ad, bd, i32 = _CUTLASS_DTYPE[a_dtype], _CUTLASS_DTYPE[bias_dtype], cutlass.Int32
-    ptrs = (*[cc.fake_ptr(ad)] * 4, cc.fake_ptr(i32), cc.fake_ptr(i32), cc.fake_ptr(bd))
-    return (*ptrs, *[Int32(64)] * 8, cc.fake_stream())
+    ptrs = (*[cc.fake_ptr(ad)] * 4, *[cc.fake_ptr(i32)] * 3, cc.fake_ptr(bd))
+    return (*ptrs, *[Int32(64)] * 10, cc.fake_stream())
 
 
 def token_sum_compile_args(dtype) -> tuple:
@@ -238,24 +240,42 @@ def _check_experts(w: torch.Tensor) -> None:
         raise ValueError(f"w: {w.shape[0]} experts; the kernels serve at most {MAX_EXPERTS} (gate_up_support and down_reduce_support decline more)")
 
 
-def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride):
+def _hint(x: torch.Tensor, gather: torch.Tensor, expert_ids: torch.Tensor | None) -> tuple[torch.Tensor, int, int]:
+    """(ids as int32, count, stride) for GEMM1's weight hint (moe_gemm.py): the token's expert ids at
+    M = 1, else none (count 0, gather as a placeholder pointer). int64 ids are read as their low words."""
+    if expert_ids is None:
+        return gather, 0, 1
+    if expert_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"expert_ids: dtype {expert_ids.dtype}; expected torch.int32 or torch.int64 (the routing plan's topk_ids)")
+    if expert_ids.numel() != gather.shape[0]:
+        raise ValueError(f"expert_ids: {expert_ids.numel()} ids for {gather.shape[0]} routed pairs; expected the plan's topk_ids [M, k]")
+    if x.shape[0] != 1 or expert_ids.numel() > HINT_MAX_PAIRS or not expert_ids.is_contiguous():
+        return gather, 0, 1
+    return expert_ids.view(torch.int32), expert_ids.numel(), expert_ids.element_size() // 4
+
+
+def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride, hint=None):
     num_experts = offsets.shape[0] - 1
+    hint_ids, hint_pairs, hint_stride = hint if hint is not None else (gather, 0, 1)
     fn(
-        _ptr(a), _ptr(w_parts[0]), _ptr(w_parts[1]), _ptr(out), _ptr(offsets), _ptr(gather),
+        _ptr(a), _ptr(w_parts[0]), _ptr(w_parts[1]), _ptr(out), _ptr(offsets), _ptr(gather), _ptr(hint_ids),
         _ptr(bias if bias is not None else w_parts[0]),
         Int32(a.shape[0]), Int32(a.shape[1]), Int32(n_part), Int32(num_experts), Int32(b_stride),
         Int32(out.shape[0]), Int32(out.shape[1]), Int32(bias.shape[1] if bias is not None else 0),
-        _stream(a.device),
+        Int32(hint_pairs), Int32(hint_stride), _stream(a.device),
     )  # fmt: skip
 
 
 def gate_up(
-    x, w, bias, offsets, gather, *, activation: str, alpha: float, limit: float, gate_layout: str, out=None, tiles=None
-):
+    x, w, bias, offsets, gather, *, activation: str, alpha: float, limit: float, gate_layout: str, out=None, tiles=None,
+    expert_ids=None,
+):  # fmt: skip
     """[P, I] = act(x[gather] @ w[e].T + bias[e]) per expert; see the module docstring. Rows of
     dropped pairs (at or past offsets[E]) are left unwritten. out: an optional [P, I] destination.
-    tiles: (tile_m, tile_n) instead of choose_tiles' (for tile sweeps)."""
+    tiles: (tile_m, tile_n) instead of choose_tiles' (for tile sweeps). expert_ids: the routing plan's
+    topk_ids [M, k] when they are local expert ids (no expert_map), read at M = 1 as a hint only."""
     _check_experts(w)
+    hint = _hint(x, gather, expert_ids)
     num_experts, n, hidden = w.shape
     inter = n // 2 if activation in GATED else n
     if out is None:
@@ -271,7 +291,7 @@ def gate_up(
         parts, n_part = (w, w[:, inter:]), inter
     else:
         parts, n_part = (w, w), n
-    _launch_gemm(fn, x, parts, out, offsets, gather, bias, n_part, n * hidden)
+    _launch_gemm(fn, x, parts, out, offsets, gather, bias, n_part, n * hidden, hint)
     return out
 
 

@@ -38,6 +38,12 @@ of the gap between kernels, which weighs at small M (bench/NOTES.md, v8). With e
 right after GEMM1) it reads the offsets and starts the TMA of its first tile's weights before the
 wait, as GEMM1 writes neither: at small M, where that tile is a CTA's whole job, its weights then
 stream while GEMM1 finishes (qwen3 M=1 layer 34.0 -> 32.4 µs, bench/NOTES.md v16).
+GEMM1 cannot know its experts before the routing plan completes, but at M = 1 they are the token's k
+expert ids (given as hint_ids): warp 0 reads them before the wait, guesses its first tile's expert
+from them and asks L2 for that tile's first HINT_K_TILES k-tiles of weights (TMA prefetch), so HBM
+works while the plan runs. Only a hint: the loads after the wait use the plan's offsets, and a wrong
+guess (stale or duplicate ids) costs only the prefetched bytes (M = 1 in graph 0.4-0.8 µs faster on
+every shape, bench/NOTES.md v28).
 
 L2: a 64-row kernel loads the weights of an expert with one m-tile as evict-first (read once, they
 would only push the rows and outputs that are read again out of L2); see _weight_policy.
@@ -78,6 +84,12 @@ L2_EVICT_FIRST = 0x12F0000000000000
 OFFSETS_BYTES = 4 * (MAX_EXPERTS + 4)
 # B rows per part of a tile (tile_n / parts): each consumer warpgroup's WGMMA takes half of them.
 PART_ROWS = (48, 64, 96, 128, 256)
+# k-tiles of weights GEMM1's first tile asks L2 for before its wait at M = 1 (see the module docstring):
+# more delays the plan and the loads after the wait (M = 1 in graph: 2-4 best on every shape, 16
+# slower than none; bench/NOTES.md v28).
+HINT_K_TILES = 4
+# Expert ids a hint may read: one per lane of warp 0.
+HINT_MAX_PAIRS = 32
 # Accumulators per thread of a swapped tile (64 weight rows x 16 tokens over 128 threads), handed from
 # the up warpgroup to the gate one.
 XCHG_ELEMS = 64 * 16 // 128
@@ -227,6 +239,7 @@ class MoeGemmSm90:
         c_ptr: cute.Pointer,  # C (P, N_out), row-major
         offsets_ptr: cute.Pointer,  # (E + 1,) int32
         gather_ptr: cute.Pointer,  # (P,) int32; read only when gather
+        hint_ptr: cute.Pointer,  # (hint_pairs,) int32 expert ids, hint_stride apart (GEMM1 at M = 1)
         bias_ptr: cute.Pointer,  # (E, N) bias rows; read only with has_bias
         rows_a: Int32,
         k: Int32,
@@ -236,6 +249,8 @@ class MoeGemmSm90:
         rows_c: Int32,
         n_out: Int32,
         bias_stride: Int32,
+        hint_pairs: Int32,  # 0: no hint; else the token's k <= HINT_MAX_PAIRS expert ids (M = 1, gather only)
+        hint_stride: Int32,  # elements between the ids (2: the low words of int64 ids)
         stream: cuda.CUstream,
     ):
         # Shapes the kernel relies on (checked by the caller): K and the B/C rows are multiples of
@@ -259,6 +274,7 @@ class MoeGemmSm90:
         mC = cute.make_tensor(c_ptr, cute.make_layout((rows_c, n_out), stride=(n_out, 1)))
         mOffsets = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
         mGather = cute.make_tensor(gather_ptr, cute.make_layout((rows_c,)))
+        mHint = cute.make_tensor(hint_ptr, cute.make_layout((hint_pairs,), stride=(hint_stride,)))
         mBias = cute.make_tensor(bias_ptr, cute.make_layout((num_experts, bias_stride), stride=(bias_stride, 1)))
         dtype = mA.element_type
         stages = self.num_stages
@@ -305,7 +321,7 @@ class MoeGemmSm90:
 
         self.storage = Storage
         self.kernel(
-            self.tiled_mma, tma_a, gA, tma_b0, gB0, tma_b1, gB1, mA, mC, mOffsets, mGather, mBias, sA_layout, sB_layout,
+            self.tiled_mma, tma_a, gA, tma_b0, gB0, tma_b1, gB1, mA, mC, mOffsets, mGather, mHint, mBias, sA_layout, sB_layout,
         ).launch(grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream, use_pdl=True)  # fmt: skip
 
     # ---- device side -----------------------------------------------------------------------------
@@ -370,6 +386,48 @@ class MoeGemmSm90:
                 )  # fmt: skip
                 state.advance()
         return early
+
+    @cute.jit
+    def _hint_weights(self, tma_b0, gB0_full, sB0, tma_b1, gB1_full, sB1, mHint, num_experts, n_tiles, k_tiles):
+        """GEMM1 at M = 1, before its wait (the module docstring): the plan will give each of the
+        token's k distinct experts one m-tile, in ascending id order, so this CTA's first tile t is
+        n-tile t % n_tiles of the expert with the (t // n_tiles)-th smallest id. Ask L2 for that tile's
+        first HINT_K_TILES k-tiles of weights. Lane j reads id j and ranks it by the ids below it; a
+        duplicate or out-of-range id only makes the guess wrong. Warp 0, uniformly."""
+        lane = cute.arch.lane_idx()
+        pairs = mHint.shape[0]
+        tile = cute.arch.block_idx()[0]
+        mine = Int32(-1)
+        if lane < pairs:
+            mine = mHint[lane]
+        rank = Int32(0)
+        for j in range(pairs):
+            if cute.arch.shuffle_sync(mine, j) < mine:
+                rank = rank + 1
+        wanted = Int32(0)
+        if lane < pairs:
+            if rank == tile // n_tiles:
+                wanted = Int32(1)
+        holders = cute.arch.vote_ballot_sync(wanted == 1)
+        # The lowest lane holding the wanted rank (popc of the bits below it).
+        e = cute.arch.shuffle_sync(mine, Int32(cute.arch.popc((holders & (0 - holders)) - 1)) % 32)
+        if holders != 0:
+            if lane == 0:
+                if e >= 0:
+                    if e < num_experts:
+                        self._prefetch_weights(tma_b0, gB0_full, sB0, tma_b1, gB1_full, sB1, tile % n_tiles, e, k_tiles)
+
+    @cute.jit
+    def _prefetch_weights(self, tma_b0, gB0_full, sB0, tma_b1, gB1_full, sB1, n_tile, e, k_tiles):
+        """Ask L2 (TMA prefetch) for the first HINT_K_TILES k-tiles of expert e's weight tile n_tile."""
+        gB0 = cute.local_tile(gB0_full, (self.part_n, self.tile_k), (None, None, None))
+        _, tBgB0 = cpasync.tma_partition(tma_b0, 0, cute.make_layout(1), cute.group_modes(sB0, 0, 2), cute.group_modes(gB0, 0, 2))
+        gB1 = cute.local_tile(gB1_full, (self.part_n, self.tile_k), (None, None, None))
+        _, tBgB1 = cpasync.tma_partition(tma_b1, 0, cute.make_layout(1), cute.group_modes(sB1, 0, 2), cute.group_modes(gB1, 0, 2))
+        for kt in cutlass.range_constexpr(HINT_K_TILES):
+            if kt < k_tiles:
+                for tma, tBgB in ((tma_b0, tBgB0), (tma_b1, tBgB1))[: self.num_parts]:
+                    cute.prefetch(tma, tBgB[(None, n_tile, kt, e)])
 
     @cute.jit
     def _expert_tiles(self, offs: cute.Tensor, e: Int32, n_tiles: Int32) -> Int32:
@@ -439,6 +497,7 @@ class MoeGemmSm90:
         mC: cute.Tensor,
         mOffsets: cute.Tensor,
         mGather: cute.Tensor,
+        mHint: cute.Tensor,
         mBias: cute.Tensor,
         sA_layout: cute.ComposedLayout,
         sB_layout: cute.ComposedLayout,
@@ -498,6 +557,10 @@ class MoeGemmSm90:
         # With early_b (GEMM2 after GEMM1) the offsets are read before the wait: the routing plan wrote
         # them, and it completed before GEMM1 passed its own wait, which precedes GEMM1's launch of this
         # kernel. The loads bypass L1, which may hold the offsets of an earlier launch.
+        if const_expr(self.gather):
+            if warp_idx == 0:
+                if mHint.shape[0] > 0:
+                    self._hint_weights(tma_b0, gB0_full, sB0, tma_b1, gB1_full, sB1, mHint, num_experts, n_tiles, k_tiles)
         if const_expr(not self.early_b):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()

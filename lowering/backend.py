@@ -51,7 +51,7 @@ def _run_gate_up(args: dict):
     out = interface.gate_up(
         args["x"], args["w"], args["bias"], args["expert_offsets"], args["gather_idx"],
         activation=args["activation"], alpha=args["alpha"], limit=args["limit"],
-        gate_layout=_gate_layout(args["activation"], args["interleaved"]),
+        gate_layout=_gate_layout(args["activation"], args["interleaved"]), expert_ids=args["expert_ids"],
     )  # fmt: skip
     return out, out.new_empty((0,), dtype=torch.float32)
 

@@ -4,6 +4,9 @@ moe_ops::gate_up    = gather rows + [quantize] + grouped GEMM1 (+ bias) + activa
     (x [M, H], ..., expert_offsets [E+1], gather_idx [P]) -> (intermediate [P, I'], scale)
     where the intermediate is GEMM2's input: quantized storage (I' = I / packing) with its scales when
     out_quant_dtype is not "none", else [P, I] in out_dtype with an empty float32 scale [0].
+    expert_ids (default None): the routing plan's topk_ids [M, k] when they are the local experts (no
+    expert_map); at M = 1 the kernel reads them before the plan completes, to start its weights
+    early (cute_kernels/moe_gemm.py). A hint: the output depends on the plan only.
 moe_ops::down_reduce = grouped GEMM2 (+ bias) + router weight + reduction of each token's k rows
     (intermediate [P, I'], ..., expert_offsets, gather_idx [P], topk_weights [M, k], inverse [P]) -> [M, H];
     gather_idx and inverse give each grouped row's pair, so the kernel's GEMM2 epilogue applies the
@@ -39,9 +42,10 @@ def _quantize_or_pass(x, dtype, group, scale, global_scale):
 def gate_up_reference(
     x, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
     bias, expert_offsets, gather_idx, activation, alpha, limit, interleaved,
-    out_quant_dtype, out_quant_group, out_scale, out_global_scale, out_dtype,
+    out_quant_dtype, out_quant_group, out_scale, out_global_scale, out_dtype, expert_ids=None,
 ):  # fmt: skip
-    """The reference composition of gate_up: the primitive ops in chain order."""
+    """The reference composition of gate_up: the primitive ops in chain order (expert_ids is the
+    kernels' hint)."""
     a, s = _quantize_or_pass(x, a_dtype, a_group, a_scale, a_global_scale)
     h = grouped_gemm(
         a, s, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
@@ -77,6 +81,7 @@ def gate_up(
     out_scale: torch.Tensor | None,
     out_global_scale: torch.Tensor | None,
     out_dtype: torch.dtype,
+    expert_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused gather + [quantize] + GEMM1 + activation + [re-quantize]; see the module docstring."""
     args = locals().copy()
@@ -88,7 +93,7 @@ def gate_up(
 def _gate_up_fake(
     x, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
     bias, expert_offsets, gather_idx, activation, alpha, limit, interleaved,
-    out_quant_dtype, out_quant_group, out_scale, out_global_scale, out_dtype,
+    out_quant_dtype, out_quant_group, out_scale, out_global_scale, out_dtype, expert_ids=None,
 ):  # fmt: skip
     rows = gather_idx.shape[0]
     n = w.shape[1]

@@ -15,6 +15,7 @@ from .fused_ops import down_reduce, gate_up
 
 GATE_UP = torch.ops.moe_ops.gate_up.default
 DOWN_REDUCE = torch.ops.moe_ops.down_reduce.default
+ROUTING_PLAN = torch.ops.moe_ops.routing_plan.default
 # The pass's behaviour is these files: the pass, its patterns, the fused ops' registrations and the
 # backend choice. Their hash is the pass's uuid, so the FX graph cache misses when any of them changes.
 SOURCES = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py")))
@@ -49,6 +50,16 @@ def _written_before(first: Node, values) -> bool:
     return all(not isinstance(v, Node) or v.op in ("placeholder", "get_attr") or v in ancestors for v in values)
 
 
+def _plan_expert_ids(offsets) -> Node | None:
+    """The topk_ids of the routing plan that made `offsets`, when no expert_map remaps them: the
+    pairs' local experts, gate_up's hint (fused_ops.py, expert_ids). None otherwise."""
+    plan = offsets.args[0] if isinstance(offsets, Node) and offsets.target is operator.getitem else None
+    if not (isinstance(plan, Node) and plan.target is ROUTING_PLAN):
+        return None
+    args = op_args(plan)
+    return args["topk_ids"] if args["expert_map"] is None else None
+
+
 def _fake(node: Node):
     return node.meta.get("val") if isinstance(node, Node) else node
 
@@ -77,6 +88,7 @@ def _replace(graph: Graph, chain: Chain) -> Fused:
             act["kind"], act["alpha"], act["limit"], act["interleaved"],
             q2["dtype"] if q2 else "none", q2["group"] if q2 else [-1, -1],
             q2["scale"] if q2 else None, q2["global_scale"] if q2 else None, g1["out_dtype"],
+            _plan_expert_ids(g1["expert_offsets"]),
         )  # fmt: skip
         gu = graph.call_function(GATE_UP, gu_args)
         _set_meta(gu, gate_up, gu_args)

@@ -57,17 +57,23 @@ def _check_resources(report: str) -> None:
 
 # What GEMM2 (early_b) may do before its wait: read the offsets past L1, start the weights' TMA.
 EARLY_ACCESS = r"ld\.global\.cg\.b32|cp\.async\.bulk\.tensor\.3d\.\S+"
+# What GEMM1 may do before its wait (the M = 1 hint): read the token's expert ids, ask L2 for weights.
+HINT_ACCESS = r"ld\.global\.b32|cp\.async\.bulk\.prefetch\.tensor\.[35]d\.L2\.global\S*"
 
 
-def _waits_before_global_access(ptx: str, early_weights: bool) -> None:
+def _waits_before_global_access(ptx: str, early_weights: bool, gather: bool) -> None:
     """The kernels launch as programmatic dependents of the kernel before them (PDL), so they must
     not touch global memory before griddepcontrol.wait: the previous kernel's writes are visible
     only after it. GEMM2's exception (MoeGemmSm90.early_b): the offsets and its weights, which
-    GEMM1 does not write, loaded before the wait."""
+    GEMM1 does not write, loaded before the wait. GEMM1's (the weight hint): the expert ids, which
+    only steer L2 prefetches, and the prefetches themselves; nothing reaches shared memory."""
     before, after = split_at_wait(ptx)
     if early_weights:
         assert re.search(r"ld\.global\.cg\.b32", before) and "cp.async.bulk.tensor.3d" in before, "GEMM2 loads no weights early"
         before = re.sub(EARLY_ACCESS, "", before)
+    if gather:
+        assert re.search(HINT_ACCESS.split("|")[1], before), "GEMM1 asks L2 for no weights before its wait"
+        before = re.sub(HINT_ACCESS, "", before)
     assert not touches_global(before), "a global access before griddepcontrol.wait"
     assert touches_global(after)
 
@@ -118,7 +124,7 @@ def test_moe_gemm_variant(variant, tmp_path):
         # A thread's accumulators are one column of several tokens: element stores.
         assert "st.global.b16" in ptx and "st.global.v4" not in ptx
     assert ".local" not in ptx
-    _waits_before_global_access(ptx, kernel.early_b)
+    _waits_before_global_access(ptx, kernel.early_b, kernel.gather)
     assert "griddepcontrol.launch_dependents" in ptx
     assert kernel.storage.size_in_bytes() <= SMEM_CAPACITY
     assert kernel.num_stages >= 3
@@ -218,3 +224,24 @@ def test_too_many_experts_declined():
     offsets = torch.zeros(MAX_EXPERTS + 2, dtype=torch.int32)
     with pytest.raises(ValueError, match=rf"w: {MAX_EXPERTS + 1} experts"):
         interface.gate_up(x, w, None, offsets, torch.zeros(4, dtype=torch.int32), activation="silu", alpha=1.0, limit=7.0, gate_layout="concat")
+
+
+def test_expert_ids_hint():
+    """gate_up's expert_ids (the M = 1 weight hint): int64 ids are read as their low words (stride 2),
+    no hint past M = 1; a float tensor or a count other than the routed pairs raises, naming
+    expert_ids, before any launch."""
+    gather = torch.randint(0, 4, (3,), dtype=torch.int32)
+    ids = torch.tensor([[5, 1, 7]])
+    view, pairs, stride = interface._hint(torch.randn(1, 64), gather, ids)
+    assert (pairs, stride) == (3, 2) and view[0, ::2].tolist() == [5, 1, 7]
+    assert interface._hint(torch.randn(1, 64), gather, ids.int())[1:] == (3, 1)
+    assert interface._hint(torch.randn(3, 64), torch.zeros(9, dtype=torch.int32), torch.ones(3, 3, dtype=torch.int32))[1] == 0
+    assert interface._hint(torch.randn(1, 64), gather, None)[1] == 0
+    w = torch.randn(4, 256, 128, dtype=torch.bfloat16)
+    x = torch.randn(1, 128, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32)
+    kw = dict(activation="silu", alpha=1.0, limit=7.0, gate_layout="concat")
+    with pytest.raises(TypeError, match=r"expert_ids: dtype torch.float32; expected torch.int32 or torch.int64"):
+        interface.gate_up(x, w, None, offsets, gather, expert_ids=torch.rand(1, 3), **kw)
+    with pytest.raises(ValueError, match=r"expert_ids: 2 ids for 3 routed pairs"):
+        interface.gate_up(x, w, None, offsets, gather, expert_ids=ids[:, :2].contiguous(), **kw)

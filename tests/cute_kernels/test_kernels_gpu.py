@@ -107,6 +107,29 @@ def test_every_tile_shape(interface, activation, layout, bias):
             check(interface, 200, 16, 3, 576, 320, activation=activation, layout=layout, bias=bias, tiles=tiles, early=early)
 
 
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_expert_ids_hint_changes_nothing(interface, layout):
+    """GEMM1's weight hint at M = 1 (moe_gemm.py) only asks L2 for bytes: for every tile GEMM1 can
+    use, the intermediate is bit-identical with the token's ids (int32 and int64), with wrong ids
+    (other experts, duplicates, out of range) and without any, and matches the reference."""
+    e, k, h, i = 16, 4, 2816, 320  # h >= LONG_K, so M = 1 may pick the swapped split-K tiles
+    w13, _ = weights(e, h, i)
+    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
+    tw, ti = routing(1, e, k)
+    ref_inter, _, (offsets, gather, _) = reference(x, w13, weights(e, h, i)[1], tw, ti, interleaved=layout == "interleaved")
+    hints = {
+        "int32": ti, "int64": ti.long(), "other experts": (ti + 1) % e, "duplicates": ti[:, :1].repeat(1, k),
+        "out of range": ti + e, "negative": -ti - 1,
+    }  # fmt: skip
+    for tiles in interface.tile_shapes(layout):
+        kw = dict(activation="silu", alpha=1.702, limit=7.0, gate_layout=layout, tiles=tiles)
+        plain = interface.gate_up(x, w13, None, offsets, gather, **kw)
+        assert rel_err(plain, ref_inter) < TOL, tiles
+        for name, ids in hints.items():
+            hinted = interface.gate_up(x, w13, None, offsets, gather, expert_ids=ids, **kw)
+            assert torch.equal(hinted, plain), (tiles, name)
+
+
 def test_experts_without_tokens(interface):
     # 64 experts, 5 tokens: most experts receive nothing.
     check(interface, 5, 64, 2, 512, 256)

@@ -243,6 +243,33 @@ def test_weights_early_only_for_weights_made_before_gate_up(model, early):
     assert fused.down_reduce.args[-1] is early
 
 
+class MappedExperts(cases.Experts):
+    """4 local experts of 8 global ones (expert parallelism): topk_ids are global ids."""
+
+    def __init__(self):
+        super().__init__(*cases.float_weights(4, 128, 64))
+        self.register_buffer("expert_map", torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32))
+
+    def forward(self, x, topk_weights, topk_ids):
+        return moe_ops.fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, expert_map=self.expert_map)
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_gate_up_gets_the_plans_ids_only_when_they_are_local(mapped):
+    """gate_up's expert_ids (the kernel's weight hint at M = 1) is the routing plan's topk_ids when no
+    expert_map remaps them, and None when one does (global ids would name the wrong experts)."""
+    model, h, e = (MappedExperts(), 128, 8) if mapped else (cases.Experts(*cases.float_weights(4, 128, 64)), 128, 4)
+    batches = [inputs(h, e, torch.float32, 1), inputs(h, e, torch.float32, 9)]
+    outs, _, seen = run_compiled(model, batches)
+    for out, ref in zip(outs, eager(model, batches)):
+        assert_close_to_eager(out, ref, torch.float32)
+    (fused,) = seen[0][1].fused
+    plan = fused.gate_up.args[12].args[0]  # expert_offsets = getitem(routing_plan(...), 0)
+    assert plan.target is torch.ops.moe_ops.routing_plan.default
+    ids = fused.gate_up.args[-1]
+    assert ids is None if mapped else ids is plan.args[0]
+
+
 class CountingPass(CustomGraphPass):
     """A cacheable post-grad pass that counts its calls and notes whether it saw the MoE chain
     unfused (it must run before the MoE pass)."""
@@ -506,8 +533,12 @@ def opcheck(op, args):
 @pytest.mark.parametrize("m", (0, 1, 13))
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_fused_ops_opcheck(recipe, m):
-    gu, dr, _ = build_layer(recipe, m)
+    gu, dr, c = build_layer(recipe, m)
     opcheck(gate_up, gu)
+    # With the routing plan's ids as the kernels' weight hint (expert_ids): same outputs.
+    opcheck(gate_up, [*gu, c["topk_ids"]])
+    for hinted, plain in zip(gate_up(*gu, c["topk_ids"]), gate_up(*gu)):
+        assert_same(hinted, plain, "gate_up with expert_ids")
     opcheck(down_reduce, dr)
 
 
