@@ -256,7 +256,7 @@ def _hint(x: torch.Tensor, gather: torch.Tensor, expert_ids: torch.Tensor | None
 
 def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride, hint=None):
     num_experts = offsets.shape[0] - 1
-    hint_ids, hint_pairs, hint_stride = hint if hint is not None else (gather, 0, 1)
+    hint_ids, hint_pairs, hint_stride = hint if hint is not None else _hint(a, gather, None)
     fn(
         _ptr(a), _ptr(w_parts[0]), _ptr(w_parts[1]), _ptr(out), _ptr(offsets), _ptr(gather), _ptr(hint_ids),
         _ptr(bias if bias is not None else w_parts[0]),

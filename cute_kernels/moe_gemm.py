@@ -39,11 +39,11 @@ right after GEMM1) it reads the offsets and starts the TMA of its first tile's w
 wait, as GEMM1 writes neither: at small M, where that tile is a CTA's whole job, its weights then
 stream while GEMM1 finishes (qwen3 M=1 layer 34.0 -> 32.4 µs, bench/NOTES.md v16).
 GEMM1 cannot know its experts before the routing plan completes, but at M = 1 they are the token's k
-expert ids (given as hint_ids): warp 0 reads them before the wait, guesses its first tile's expert
-from them and asks L2 for that tile's first HINT_K_TILES k-tiles of weights (TMA prefetch), so HBM
-works while the plan runs. Only a hint: the loads after the wait use the plan's offsets, and a wrong
-guess (stale or duplicate ids) costs only the prefetched bytes (M = 1 in graph 0.4-0.8 µs faster on
-every shape, bench/NOTES.md v28).
+expert ids (hint_ptr, the plan's own input): warp 0 reads them before the wait, guesses its first
+tile's expert from them and asks L2 for that tile's first HINT_K_TILES k-tiles of weights (TMA
+prefetch), so HBM works while the plan runs. Only a hint: the loads after the wait use the plan's
+offsets, and a wrong guess (stale or duplicate ids) costs only the prefetched bytes (M = 1 in graph
+0.2-0.9 µs faster on every benchmarked shape, bench/NOTES.md v28).
 
 L2: a 64-row kernel loads the weights of an expert with one m-tile as evict-first (read once, they
 would only push the rows and outputs that are read again out of L2); see _weight_policy.
@@ -551,16 +551,18 @@ class MoeGemmSm90:
         k_tiles = (k_dim + self.tile_k - 1) // self.tile_k
         n_tiles = (n_out + self.out_n - 1) // self.out_n
         grid = cute.arch.grid_dim()[0]
-        # Programmatic dependent launch (the module docstring): nothing above reads global memory; after
-        # griddepcontrol.wait the previous kernel's outputs are complete. Letting the next kernel launch
-        # then only queues its CTAs for the SMs this one frees.
-        # With early_b (GEMM2 after GEMM1) the offsets are read before the wait: the routing plan wrote
-        # them, and it completed before GEMM1 passed its own wait, which precedes GEMM1's launch of this
-        # kernel. The loads bypass L1, which may hold the offsets of an earlier launch.
+        # GEMM1's weight hint (the module docstring) reads the expert ids before the wait: the kernel
+        # before the plan wrote them, and only prefetches depend on them.
         if const_expr(self.gather):
             if warp_idx == 0:
                 if mHint.shape[0] > 0:
                     self._hint_weights(tma_b0, gB0_full, sB0, tma_b1, gB1_full, sB1, mHint, num_experts, n_tiles, k_tiles)
+        # Programmatic dependent launch (the module docstring): nothing above reads global memory but the
+        # hint's ids; after griddepcontrol.wait the previous kernel's outputs are complete. Letting the
+        # next kernel launch then only queues its CTAs for the SMs this one frees.
+        # With early_b (GEMM2 after GEMM1) the offsets are read before the wait: the routing plan wrote
+        # them, and it completed before GEMM1 passed its own wait, which precedes GEMM1's launch of this
+        # kernel. The loads bypass L1, which may hold the offsets of an earlier launch.
         if const_expr(not self.early_b):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()

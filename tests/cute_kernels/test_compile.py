@@ -58,7 +58,8 @@ def _check_resources(report: str) -> None:
 # What GEMM2 (early_b) may do before its wait: read the offsets past L1, start the weights' TMA.
 EARLY_ACCESS = r"ld\.global\.cg\.b32|cp\.async\.bulk\.tensor\.3d\.\S+"
 # What GEMM1 may do before its wait (the M = 1 hint): read the token's expert ids, ask L2 for weights.
-HINT_ACCESS = r"ld\.global\.b32|cp\.async\.bulk\.prefetch\.tensor\.[35]d\.L2\.global\S*"
+HINT_PREFETCH = r"cp\.async\.bulk\.prefetch\.tensor\.[35]d\.L2\.global\S*"
+HINT_ACCESS = rf"ld\.global\.b32|{HINT_PREFETCH}"
 
 
 def _waits_before_global_access(ptx: str, early_weights: bool, gather: bool) -> None:
@@ -72,7 +73,7 @@ def _waits_before_global_access(ptx: str, early_weights: bool, gather: bool) -> 
         assert re.search(r"ld\.global\.cg\.b32", before) and "cp.async.bulk.tensor.3d" in before, "GEMM2 loads no weights early"
         before = re.sub(EARLY_ACCESS, "", before)
     if gather:
-        assert re.search(HINT_ACCESS.split("|")[1], before), "GEMM1 asks L2 for no weights before its wait"
+        assert re.search(HINT_PREFETCH, before), "GEMM1 asks L2 for no weights before its wait"
         before = re.sub(HINT_ACCESS, "", before)
     assert not touches_global(before), "a global access before griddepcontrol.wait"
     assert touches_global(after)
