@@ -388,6 +388,17 @@ class MoeGemmSm90:
         return early
 
     @cute.jit
+    def _weight_partitions(self, tma_b0, gB0_full, sB0, tma_b1, gB1_full, sB1):
+        """(tBsB0, tBgB0, tBsB1, tBgB1): each B part's TMA partitions of the (part_n, tile_k) tiles of
+        every (n, k, expert), indexed (None, n_tile, kt, e) in global memory and (None, stage) in the
+        ring, for the loads (_load_weights) and the hint's prefetches alike."""
+        gB0 = cute.local_tile(gB0_full, (self.part_n, self.tile_k), (None, None, None))
+        tBsB0, tBgB0 = cpasync.tma_partition(tma_b0, 0, cute.make_layout(1), cute.group_modes(sB0, 0, 2), cute.group_modes(gB0, 0, 2))
+        gB1 = cute.local_tile(gB1_full, (self.part_n, self.tile_k), (None, None, None))
+        tBsB1, tBgB1 = cpasync.tma_partition(tma_b1, 0, cute.make_layout(1), cute.group_modes(sB1, 0, 2), cute.group_modes(gB1, 0, 2))
+        return tBsB0, tBgB0, tBsB1, tBgB1
+
+    @cute.jit
     def _hint_weights(self, tma_b0, gB0_full, sB0, tma_b1, gB1_full, sB1, mHint, num_experts, n_tiles, k_tiles):
         """GEMM1 at M = 1, before its wait (the module docstring): the plan will give each of the
         token's k distinct experts one m-tile, in ascending id order, so this CTA's first tile t is
@@ -420,10 +431,7 @@ class MoeGemmSm90:
     @cute.jit
     def _prefetch_weights(self, tma_b0, gB0_full, sB0, tma_b1, gB1_full, sB1, n_tile, e, k_tiles):
         """Ask L2 (TMA prefetch) for the first HINT_K_TILES k-tiles of expert e's weight tile n_tile."""
-        gB0 = cute.local_tile(gB0_full, (self.part_n, self.tile_k), (None, None, None))
-        _, tBgB0 = cpasync.tma_partition(tma_b0, 0, cute.make_layout(1), cute.group_modes(sB0, 0, 2), cute.group_modes(gB0, 0, 2))
-        gB1 = cute.local_tile(gB1_full, (self.part_n, self.tile_k), (None, None, None))
-        _, tBgB1 = cpasync.tma_partition(tma_b1, 0, cute.make_layout(1), cute.group_modes(sB1, 0, 2), cute.group_modes(gB1, 0, 2))
+        _, tBgB0, _, tBgB1 = self._weight_partitions(tma_b0, gB0_full, sB0, tma_b1, gB1_full, sB1)
         for kt in cutlass.range_constexpr(HINT_K_TILES):
             if kt < k_tiles:
                 for tma, tBgB in ((tma_b0, tBgB0), (tma_b1, tBgB1))[: self.num_parts]:
@@ -572,15 +580,7 @@ class MoeGemmSm90:
         if wg_idx == 0:
             # ------------------------------- producer ---------------------------------------------
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            # B: TMA partitions of the (part_n, tile_k) tiles of every (n, k, expert).
-            gB0 = cute.local_tile(gB0_full, (self.part_n, self.tile_k), (None, None, None))
-            tBsB0, tBgB0 = cpasync.tma_partition(
-                tma_b0, 0, cute.make_layout(1), cute.group_modes(sB0, 0, 2), cute.group_modes(gB0, 0, 2)
-            )
-            gB1 = cute.local_tile(gB1_full, (self.part_n, self.tile_k), (None, None, None))
-            tBsB1, tBgB1 = cpasync.tma_partition(
-                tma_b1, 0, cute.make_layout(1), cute.group_modes(sB1, 0, 2), cute.group_modes(gB1, 0, 2)
-            )
+            tBsB0, tBgB0, tBsB1, tBgB1 = self._weight_partitions(tma_b0, gB0_full, sB0, tma_b1, gB1_full, sB1)
             state_b = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
             # k-tiles of the first tile whose weights are already loading (early_b).
             early = Int32(0)
