@@ -1,0 +1,173 @@
+"""moe_ops::grouped_gemm, moe_ops::weighted_reduce and moe_ops::activation against float64 re-computations
+written here in plain torch from each op's docstring (no moe_ops reference kernels or helpers), on fresh
+random inputs (tests/conftest.py seeds torch per test). Ragged plans, empty experts and dropped rows are
+built by hand so the expectation does not rely on moe_ops.routing_plan either."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import moe_ops  # noqa: F401  (registers the ops)
+
+OPS = torch.ops.moe_ops
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype):
+    """Elementwise |out - expected| <= rtol * (|expected| + mean |expected|): a relative bound for the
+    output dtype, with the mean magnitude as its floor where values cancel to near zero."""
+    assert out.shape == expected.shape and out.dtype == dtype, (out.shape, out.dtype, expected.shape, dtype)
+    got = out.double()
+    assert torch.isfinite(got).all(), "non-finite output"
+    bound = RTOL[dtype] * (expected.abs() + (expected.abs().mean() if expected.numel() else 0.0))
+    excess = (got - expected).abs() - bound
+    assert (excess <= 0).all(), f"max error {(got - expected).abs().max():.3g} exceeds bound at {excess.argmax()}"
+
+
+def ragged_offsets(num_experts: int, empty: int) -> torch.Tensor:
+    """int32 [E + 1] offsets of random 1..5 rows per expert, with `empty` random experts holding 0 rows."""
+    counts = torch.randint(1, 6, (num_experts,))
+    counts[torch.randperm(num_experts)[:empty]] = 0
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+
+
+# ---- grouped_gemm --------------------------------------------------------------------------------
+
+
+def expected_gemm(x: torch.Tensor, w: torch.Tensor, bias, offsets: torch.Tensor) -> torch.Tensor:
+    """float64: rows [offsets[e], offsets[e+1]) times w[e].T (+ bias[e]); rows from offsets[E] on are zero."""
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64)
+    for e in range(w.shape[0]):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        out[lo:hi] = x[lo:hi] @ w[e].T + (bias[e] if bias is not None else 0.0)
+    return out
+
+
+def gemm_inputs(dtype, gather: bool, dropped: int, empty: int, num_experts=5, k=48, n=40):
+    """(a, gather_idx or None, offsets, x64): x64 are the float64 rows the GEMM reads. Without gather the
+    dropped rows of `a` hold NaN (the docstring promises zero output rows whatever they hold)."""
+    offsets = ragged_offsets(num_experts, empty)
+    rows = int(offsets[-1]) + dropped
+    if gather:
+        a = torch.randn(int(torch.randint(1, 7, ())), k).to(dtype)
+        gather_idx = torch.randint(0, a.shape[0], (rows,), dtype=torch.int32)
+        return a, gather_idx, offsets, a.double()[gather_idx.long()]
+    a = torch.randn(rows, k).to(dtype)
+    a[int(offsets[-1]) :] = float("nan")
+    return a, None, offsets, a.double()
+
+
+def call_gemm(a, w, bias, offsets, gather_idx, out_dtype, w_scale=None, w_dtype="none", w_group=(-1, -1)):
+    return OPS.grouped_gemm(a, None, None, "none", [-1, -1], w, w_scale, None, None, w_dtype, list(w_group),
+                            bias, offsets, gather_idx, out_dtype)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])  # fmt: skip
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dropped,empty,k", [(0, 0, 48), (3, 2, 48), (3, 2, 45), (1, 5, 45)])
+def test_grouped_gemm(dtype, out_dtype, gather, bias, dropped, empty, k):
+    """Unquantized grouped GEMM over a ragged plan (some experts empty, some rows dropped; K = 45 rows are not
+    16-byte aligned) equals the float64 per-expert product (+ bias), zero rows from offsets[E] on, in out_dtype."""
+    a, gather_idx, offsets, x = gemm_inputs(dtype, gather, dropped, empty, k=k)
+    w = (torch.randn(5, 40, a.shape[1]) / a.shape[1] ** 0.5).to(dtype)
+    b = torch.randn(5, 40).to(dtype) if bias else None
+    out = call_gemm(a, w, b, offsets, gather_idx, out_dtype)
+    expected = expected_gemm(x, w.double(), b.double() if bias else None, offsets)
+    assert_close(out, expected, out_dtype)
+    assert (out[int(offsets[-1]) :] == 0).all(), "rows from offsets[E] on must be zero"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_cols", [-1, 16])
+@pytest.mark.parametrize("gather", [False, True])
+def test_grouped_gemm_int8_weights(dtype, group_cols, gather):
+    """int8 weights with float32 scales per row (group [1, -1]) or per 1x16 group, decoded here as
+    q[e, n, c] * scale[e, n, c // 16], against the float64 product with unquantized activations."""
+    a, gather_idx, offsets, x = gemm_inputs(dtype, gather, dropped=2, empty=1)
+    num_experts, n, k = 5, 40, a.shape[1]
+    q = torch.randint(-127, 128, (num_experts, n, k), dtype=torch.int8)
+    scale = torch.rand(num_experts, n, 1 if group_cols == -1 else k // group_cols) * 0.01 + 1e-3
+    b = torch.randn(num_experts, n)
+    out = call_gemm(a, q, b, offsets, gather_idx, dtype, scale, "int8", (1, group_cols))
+    step = k if group_cols == -1 else group_cols
+    w64 = q.double() * scale.double()[:, :, torch.arange(k) // step]
+    assert_close(out, expected_gemm(x, w64, b.double(), offsets), dtype)
+
+
+# ---- weighted_reduce -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("dropped", [0, 1, 5])
+def test_weighted_reduce(dtype, k, dropped):
+    """out[m] = sum_j topk_weights[m, j] * y[inverse[m*k + j]] over a random inverse permutation; pairs whose
+    row is at or past offsets[E] contribute nothing, though those rows of y hold NaN."""
+    m, h = int(torch.randint(2, 9, ())), 24
+    pairs = m * k
+    dropped = min(dropped, pairs - 1)
+    used = pairs - dropped
+    cuts = torch.randint(0, used + 1, (3,)).sort().values  # 4 experts, ragged, possibly empty
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), cuts, torch.tensor([used])]).to(torch.int32)
+    inverse = torch.randperm(pairs).to(torch.int32)
+    y = torch.randn(pairs, h).to(dtype)
+    y[used:] = float("nan")
+    weights = torch.rand(m, k)
+    out = OPS.weighted_reduce(y, weights, inverse, offsets)
+    contrib = y.double()[inverse.long()] * weights.double().reshape(-1, 1)
+    contrib[inverse.long() >= used] = 0.0
+    assert_close(out, contrib.view(m, k, h).sum(1), dtype)
+
+
+# ---- activation ----------------------------------------------------------------------------------
+
+
+def _swigluoai(g, u, alpha, limit):
+    g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return g / (1 + torch.exp(-alpha * g)) * (u + 1)
+
+
+# float64, from each kind's definition: SwiGLU, exact and tanh GELU gates, gpt-oss's clamped SwiGLU (gate
+# clamped above at limit, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)), relu^2.
+EXPECTED_ACTIVATION = {
+    "silu": lambda g, u, alpha, limit: g / (1 + torch.exp(-g)) * u,
+    "gelu": lambda g, u, alpha, limit: 0.5 * g * (1 + torch.erf(g / math.sqrt(2))) * u,
+    "gelu_tanh": lambda g, u, alpha, limit: 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * u,
+    "swigluoai": _swigluoai,
+    "relu2": lambda g, u, alpha, limit: g.clamp(min=0) ** 2,
+}
+
+
+def test_activation_kinds_covered():
+    """The parametrization below covers every kind the op accepts (moe_ops.ACTIVATIONS), each gated kind in
+    both layouts."""
+    covered = {(kind, inter) for kind, inter in ACT_CASES}
+    wanted = {(kind, inter) for kind, (gated, _) in moe_ops.ACTIVATIONS.items() for inter in (False, True)[: 1 + gated]}
+    assert covered == wanted
+
+
+ACT_CASES = [(kind, inter) for kind in ("silu", "gelu", "gelu_tanh", "swigluoai") for inter in (False, True)]
+ACT_CASES.append(("relu2", False))
+
+
+@pytest.mark.parametrize("kind,interleaved", ACT_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation(kind, interleaved, dtype):
+    """Gated kinds split [R, 2I] into gate/up halves ([gate | up] or alternating columns) and return [R, I];
+    relu2 maps [R, I] to [R, I]; random alpha and limit (only swigluoai reads them) clamp some values."""
+    rows, width = int(torch.randint(1, 9, ())), 32
+    alpha, limit = 0.5 + 2 * torch.rand(()).item(), 1 + 3 * torch.rand(()).item()
+    x = (torch.randn(rows, width) * 3).to(dtype)
+    out = OPS.activation(x, kind, alpha, limit, interleaved)
+    x64 = x.double()
+    if kind == "relu2":
+        g, u = x64, None
+    elif interleaved:
+        g, u = x64[:, 0::2], x64[:, 1::2]
+    else:
+        g, u = x64[:, : width // 2], x64[:, width // 2 :]
+    assert_close(out, EXPECTED_ACTIVATION[kind](g, u, alpha, limit), dtype)
