@@ -2,12 +2,14 @@
 
 The choice depends only on the recipe (op arguments), the dtype and the device, so explain() can make
 it at compile time from the graph's fake tensors and the op makes the same one at run time. Nothing
-falls back silently: explain() reports the reason, and with `require_kernels` set (install(...,
-require_kernels=True) or MOE_OPS_REQUIRE_KERNELS=1) a CUDA call that no kernel serves raises instead.
+falls back silently: explain() reports the reason, a CUDA call that no kernel serves warns once per
+(op, reason) when it runs, and with `require_kernels` set (install(..., require_kernels=True) or
+MOE_OPS_REQUIRE_KERNELS=1) it raises instead.
 """
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -76,6 +78,8 @@ def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
     )  # fmt: skip
     if not recipe["contiguous"]:
         return False, "a non-contiguous input; the kernels take contiguous tensors"
+    if recipe["out_dtype"] != recipe["dtype"]:
+        return False, f"output in {recipe['out_dtype']} from inputs in {recipe['dtype']}; the kernels write the inputs' dtype"
     if op == "gate_up":
         return interface.gate_up_support(activation=recipe["activation"], gate_layout=_gate_layout(recipe["activation"], recipe["interleaved"]), **common)
     if recipe["router_weight_dtype"] != torch.float32:
@@ -131,9 +135,22 @@ def down_reduce_recipe(args: dict) -> dict:
     )  # fmt: skip
 
 
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _at_run_time(op: str, recipe: dict, device: torch.device) -> Choice:
+    """_choose for a call about to run: a CUDA call that the reference serves warns, once per (op, reason).
+    (explain() calls _choose itself, at compile time, and reports the reason instead.)"""
+    choice = _choose(op, recipe, device)
+    if choice.kernel is None and device.type == "cuda" and (op, choice.reason) not in _WARNED:
+        _WARNED.add((op, choice.reason))
+        warnings.warn(f"moe_ops::{op} runs the reference composition on {device}: {choice.reason}", stacklevel=3)
+    return choice
+
+
 def choose_gate_up(args: dict) -> Choice:
-    return _choose("gate_up", gate_up_recipe(args), args["x"].device)
+    return _at_run_time("gate_up", gate_up_recipe(args), args["x"].device)
 
 
 def choose_down_reduce(args: dict) -> Choice:
-    return _choose("down_reduce", down_reduce_recipe(args), args["a"].device)
+    return _at_run_time("down_reduce", down_reduce_recipe(args), args["a"].device)

@@ -4,6 +4,8 @@ and composition with another post_grad_custom_post_pass, and the fused ops thems
 primitive-op composition they stand for, and the float64 reference of the whole layer)."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -423,6 +425,53 @@ def test_enabled_restores_require_kernels():
     with lowering.enabled(require_kernels=not before):
         assert backend.REQUIRE_KERNELS["value"] is (not before)
     assert backend.REQUIRE_KERNELS["value"] is before and lowering.installed() is None
+
+
+def _meta_gate_up_args(dtype=torch.bfloat16, out_dtype=torch.bfloat16) -> dict:
+    """gate_up's arguments as meta tensors of a shape the kernels serve (the recipe reads no values)."""
+    e, h, i, rows = 4, 128, 128, 8
+    meta = dict(device="meta")
+    return dict(
+        x=torch.empty(rows, h, dtype=dtype, **meta), a_scale=None, a_global_scale=None, a_dtype="none", a_group=[-1, -1],
+        w=torch.empty(e, 2 * i, h, dtype=dtype, **meta), w_scale=None, w_global_scale=None, w_zero=None, w_dtype="none",
+        w_group=[-1, -1], bias=None, expert_offsets=torch.empty(e + 1, dtype=torch.int32, **meta),
+        gather_idx=torch.empty(rows, dtype=torch.int32, **meta), activation="silu", alpha=1.0, limit=7.0,
+        interleaved=False, out_quant_dtype="none", out_quant_group=[-1, -1], out_scale=None, out_global_scale=None,
+        out_dtype=out_dtype, expert_ids=None,
+    )  # fmt: skip
+
+
+def test_kernels_decline_an_output_dtype_other_than_the_inputs():
+    """The kernels write the inputs' dtype, so a chain asking for another output dtype gets the reference."""
+    from cute_kernels import interface
+    from lowering import backend
+
+    assert backend._support("gate_up", backend.gate_up_recipe(_meta_gate_up_args()), interface)[0]
+    ok, why = backend._support("gate_up", backend.gate_up_recipe(_meta_gate_up_args(out_dtype=torch.float32)), interface)
+    assert not ok and "torch.float32" in why and "torch.bfloat16" in why
+
+
+def test_reference_on_cuda_warns_once_per_reason(monkeypatch):
+    """A CUDA call that no kernel serves says so when it runs (once per op and reason); explain()'s own
+    compile-time choice does not warn, and a CPU call is not a fallback."""
+    from lowering import backend
+
+    monkeypatch.setattr(backend, "_WARNED", set())
+    recipe = backend.gate_up_recipe(_meta_gate_up_args())
+    cuda = torch.device("cuda")
+    reasons = iter(["reason A", "reason A", "reason B"])
+    monkeypatch.setattr(backend, "_choose", lambda op, recipe, device: backend.Choice("reference", next(reasons)))
+    with pytest.warns(UserWarning, match="moe_ops::gate_up runs the reference composition on cuda: reason A"):
+        backend._at_run_time("gate_up", recipe, cuda)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backend._at_run_time("gate_up", recipe, cuda)  # reason A again: no second warning
+    with pytest.warns(UserWarning, match="reason B"):
+        backend._at_run_time("gate_up", recipe, cuda)
+    monkeypatch.setattr(backend, "_choose", lambda op, recipe, device: backend.Choice("reference", "cpu"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backend._at_run_time("gate_up", recipe, torch.device("cpu"))
 
 
 # ---- the fused ops -----------------------------------------------------------------------------
