@@ -154,7 +154,7 @@ def _recipe_text(gu: dict) -> str:
     act = gu["activation"] + (f"(alpha={gu['alpha']}, limit={gu['limit']})" if gu["activation"] == "swigluoai" else "")
     act += ", interleaved" if gu["interleaved"] else ""
     quant_a = _quant_text(gu["a_dtype"], gu["a_group"])
-    quant_w = _quant_text(gu["w_dtype"], gu["w_group"])
+    quant_w = _quant_text(gu["w_dtype"], gu["w_group"]) + (" zero-point" if gu["w_zero"] is not None else "")
     requant = _quant_text(gu["out_quant_dtype"], gu["out_quant_group"])
     return f"act={act}; a-quant={quant_a}; w-quant={quant_w}; re-quant={requant}; bias={'yes' if gu['bias'] is not None else 'no'}"
 

@@ -122,7 +122,7 @@ return [v6]
 
 | layer | fused ops | recipe | dtypes | backend / reason |
 |---|---|---|---|---|
-| 0 | gate_up + down_reduce | act=silu; a-quant=none; w-quant=int4 1x64; re-quant=none; bias=no | x f32, w u8, out f32 | gate_up: reference (cpu: the CuTe DSL kernels run on CUDA GPUs (sm_90)); down_reduce: reference (cpu: the CuTe DSL kernels run on CUDA GPUs (sm_90)) |""")
+| 0 | gate_up + down_reduce | act=silu; a-quant=none; w-quant=int4 1x64 zero-point; re-quant=none; bias=no | x f32, w u8, out f32 | gate_up: reference (cpu: the CuTe DSL kernels run on CUDA GPUs (sm_90)); down_reduce: reference (cpu: the CuTe DSL kernels run on CUDA GPUs (sm_90)) |""")
         self.assertExpectedInline(e.code(), """\
 buf# = torch.ops.moe_ops.routing_plan.default(arg#, 4, None)
 buf# = torch.ops.moe_ops.gate_up.default(arg#, None, None, 'none', [-1, -1], arg#, arg#, None, arg#, 'int4', [1, 64], None, buf#, buf#, 'silu', 1.702, 7.0, False, 'none', [-1, -1], None, None, torch.float32, arg#)
