@@ -49,7 +49,7 @@ def main(tokens) -> None:
                 tiles: graph_time_us(lambda: interface.down_reduce(inter, w2, None, offsets, gather, tw, inverse, tiles=tiles), 30)
                 for tiles in interface.tile_shapes("none")
             }
-            rule = (interface.choose_tiles("concat", i, m, k, e, sms), interface.choose_tiles("none", h, m, k, e, sms))
+            rule = (interface.choose_tiles("concat", i, m, k, e, sms, k_dim=h), interface.choose_tiles("none", h, m, k, e, sms, k_dim=i))
             print(f"| {name} | {m} | {fmt(gu)} | {fmt(dr)} | {rule} |", flush=True)
         del w13, w2
         torch.cuda.empty_cache()

@@ -24,7 +24,6 @@ _REFERENCE_DEVICES = {
 }
 _FP8_SCHEMES = {n for n in SCHEMES if n.startswith("fp8") or n in ("mxfp4_w4a8", "nvfp4_w4a16", "nvfp4_w4a4")}
 
-# Schemes the CuTe DSL kernels implement, with the activation dtypes they take.
 # Schemes the CuTe DSL kernels implement (cute_kernels.interface has the per-call checks: H and I
 # multiples of 64, row-major weights, contiguous inputs), with the activation dtypes they take.
 CUTE_SCHEMES = {"unquantized": (torch.bfloat16, torch.float16)}
