@@ -25,6 +25,7 @@ from moe_ops.quant.quantize import quantize
 from moe_ops.reduce import weighted_reduce
 from moe_ops.reference import moe_float64, relative_error, tolerance
 
+from ..decoders import decode_weight
 from . import cases
 from .cases import CASES, inputs, quantized
 
@@ -170,7 +171,6 @@ def test_second_user_not_fused_but_correct():
 
 
 def test_graph_without_moe_is_untouched():
-    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
     batches = [(torch.randn(m, 32),) for m in TOKENS]
     refs = eager(model, batches)
@@ -630,8 +630,8 @@ def test_fused_ops_equal_primitive_composition(recipe, m):
     # ... and close to the float64 re-computation of the layer from the dequantized weights.
     wq = c["scheme"].weight
     t13, t2 = c["t13"], c["t2"]
-    w13f = Q.dequantize_weight(w, wq, t13["w_scale"], t13["w_global_scale"], t13["w_zero"])
-    w2f = Q.dequantize_weight(w2, wq, t2["w_scale"], t2["w_global_scale"], t2["w_zero"])
+    w13f = decode_weight(w, wq, t13["w_scale"], t13["w_global_scale"], t13["w_zero"])
+    w2f = decode_weight(w2, wq, t2["w_scale"], t2["w_global_scale"], t2["w_zero"])
     aq = c["scheme"].activation
     # With quantized activations the reference re-applies their quantization (fake_quant), which
     # checks much more tightly than the slack for unmodelled activation quantization: that slack is

@@ -10,8 +10,8 @@ import torch
 from moe_ops.quant import formats
 from moe_ops.quant.quantize import quantize
 
-# e2m1 code -> value, written out: bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa.
-E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+from ..decoders import E2M1
+
 MAGNITUDES = E2M1[:8]
 
 
