@@ -65,9 +65,14 @@ def test_model_shapes(interface, name):
     print(name, {m: f"{v:.1e}" for m, v in errs.items()})
 
 
+# Fresh shapes each run, drawn at collection from their own seed (the per-test MOE_OPS_SEED of
+# tests/conftest.py only draws the data); each case prints it with its shape, and MOE_OPS_SHAPE_SEED=<seed>
+# draws the same shapes again.
+SHAPE_SEED = int(os.environ.get("MOE_OPS_SHAPE_SEED", 0)) or int.from_bytes(os.urandom(4), "little")
+
+
 def _random_cases(n=16):
-    # Fresh shapes each run; MOE_OPS_SEED (see tests/conftest.py) reproduces a run.
-    rng = random.Random(int(os.environ.get("MOE_OPS_SEED", 0)) or int.from_bytes(os.urandom(4), "little"))
+    rng = random.Random(SHAPE_SEED)
     cases = []
     for _ in range(n):
         e = rng.choice([1, 2, 3, 7, 16, 60, 128, 256])
@@ -82,6 +87,7 @@ def _random_cases(n=16):
 @pytest.mark.parametrize("case", _random_cases())
 def test_random_shapes(interface, case):
     m, e, k, h, i, skew = case
+    print(f"(m, e, k, h, i, skew) = {case} (MOE_OPS_SHAPE_SEED={SHAPE_SEED})")
     check(interface, m, e, k, h, i, skew=skew)
 
 

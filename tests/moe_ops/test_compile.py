@@ -18,9 +18,8 @@ TOKENS = (1, 7, 64, 300)
 class Model(nn.Module):
     """Linear -> FusedMoE -> Linear."""
 
-    def __init__(self, quant_config=None, seed=0):
+    def __init__(self, quant_config=None):
         super().__init__()
-        torch.manual_seed(seed)
         self.inp = nn.Linear(H, H)
         self.moe = moe_ops.FusedMoE(E, TOP_K, H, I, quant_config=quant_config, dtype=torch.float32)
         self.out = nn.Linear(H, H)
@@ -120,7 +119,7 @@ def test_dynamic_default_specialisation_starting_at_seven_tokens():
     """Without backed_size_oblivious, dynamic=True still gives one graph for 7, 64, 300 tokens; a
     single token then specialises (as the README says), with a correct result."""
     _reset()
-    model = Model(seed=1).eval()
+    model = Model().eval()
     backend = Recorder("eager")
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=backend)
     tol = tolerance(torch.float32)
@@ -138,7 +137,7 @@ def test_dynamic_default_specialisation_starting_at_seven_tokens():
 @torch.no_grad()
 def test_zero_tokens_compiled():
     _reset()
-    model = Model(seed=2).eval()
+    model = Model().eval()
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="eager")
     with torch.fx.experimental._config.patch(backed_size_oblivious=True):
         assert compiled(torch.randn(5, H)).shape == (5, H)
@@ -167,7 +166,7 @@ FP8_PER_TOKEN = QuantScheme(ActivationQuant("fp8", PER_TOKEN), WeightQuant("fp8"
 @torch.no_grad()
 def test_graph_holds_the_op_chain(scheme, expected):
     _reset()
-    model = Model(quant_config=scheme, seed=3).eval()
+    model = Model(quant_config=scheme).eval()
     backend = Recorder("eager")
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=backend)
     x = torch.randn(9, H)
@@ -182,7 +181,7 @@ def test_graph_holds_the_op_chain(scheme, expected):
 def test_aot_graph_keeps_the_ops_opaque():
     """After AOT autograd (what inductor lowers), the moe_ops ops are still single nodes."""
     _reset()
-    model = Model(quant_config=FP8_PER_TOKEN, seed=4).eval()
+    model = Model(quant_config=FP8_PER_TOKEN).eval()
     aot_graphs = []
 
     def fw_compiler(gm, example_inputs):
@@ -221,7 +220,7 @@ def test_quantized_schemes_compile_and_match_eager(name):
     _reset()
     scheme = SCHEMES[name]
     assert scheme.name == name.removesuffix("_static").removesuffix("_zp")
-    model = Model(quant_config=scheme, seed=5).eval()
+    model = Model(quant_config=scheme).eval()
     backend = Recorder("inductor" if name in INDUCTOR else "aot_eager")
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=backend)
     aq = scheme.activation.dtype if scheme.activation is not None else None
