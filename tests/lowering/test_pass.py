@@ -502,6 +502,7 @@ RECIPES = {
         moe_ops.Activation("silu"), False, False,
     ),
     "gpt_oss": (torch.float32, Q.UNQUANTIZED, SWIGLUOAI, True, True),
+    "gpt_oss_bf16": (torch.bfloat16, Q.UNQUANTIZED, SWIGLUOAI, True, False),  # served by the kernels on sm_90
 }  # fmt: skip
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
