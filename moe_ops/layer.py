@@ -45,6 +45,8 @@ class FusedMoE(nn.Module):
     Routing options are those of moe_ops.route; correction_bias adds DeepSeek-V3's
     e_score_correction_bias buffer [E]; expert_bias adds w13_bias [E, 2I] and w2_bias [E, H];
     quant_config is a QuantScheme (the tensors are the module's buffers). Weights start random.
+    .to(dtype) / .half() convert the router, biases and unquantized weights; quantized weights, their
+    scales and zero points keep their dtypes (device moves apply to every tensor).
     """
 
     def __init__(
@@ -128,7 +130,19 @@ class FusedMoE(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # .to() / .cuda() / .half() replace the buffers; the config must point at the new ones.
-        out = super()._apply(fn, recurse)
+        # A dtype conversion (.to(torch.bfloat16), .half(), .float()) must not reach the quantized
+        # storage (fp8 counts as floating point) nor its scales and zero points: those keep their
+        # dtypes and follow device moves only. Unquantized weights, biases and the router convert.
+        quantized = () if self.scheme.weight is None else ("w13", "w2", *_CONFIG_BUFFERS)
+        keep = {id(t) for t in (getattr(self, n) for n in quantized) if t is not None}
+
+        def keep_quantized_dtypes(t):
+            if id(t) not in keep:
+                return fn(t)
+            target = fn(t.new_empty(0))  # where and in which dtype fn would put t, without converting t
+            return fn(t) if target.dtype == t.dtype else t.to(device=target.device)
+
+        out = super()._apply(keep_quantized_dtypes, recurse)
         self._refresh_quant_config()
         return out
 

@@ -2,6 +2,7 @@
 accepts, quantization on load, DeepSeek-style routing options, expert biases and relu2."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -436,3 +437,58 @@ def test_quantized_layer_buffers_follow_the_scheme():
     plain = _layer()
     assert plain.quant_config().scheme == quant.UNQUANTIZED
     assert isinstance(plain.w13, torch.nn.Parameter) and not plain.w13.requires_grad
+
+
+# ---- dtype conversion and device moves -----------------------------------------------------------
+
+FP8_W8A16 = QuantScheme(None, WeightQuant("fp8", GroupShape(1, -1)))
+NVFP4 = QuantScheme(None, WeightQuant("nvfp4", GroupShape(1, 16)))
+NVFP4_W4A4 = QuantScheme(ActivationQuant("nvfp4", GroupShape(1, 16)), WeightQuant("nvfp4", GroupShape(1, 16)))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize(
+    "convert, dtype",
+    [(lambda m: m.to(torch.bfloat16), torch.bfloat16), (lambda m: m.half(), torch.float16)],
+    ids=["to_bf16", "half"],
+)
+@pytest.mark.parametrize(
+    "scheme", [FP8_W8A16, INT4_ZP, NVFP4, NVFP4_W4A4], ids=["fp8_w8a16", "int4_zero_point", "nvfp4_w4a16", "nvfp4_w4a4"]
+)
+def test_dtype_conversion_keeps_quantized_storage(scheme, convert, dtype):
+    """.to(dtype) / .half() convert the router and the biases, never the quantized weights nor their
+    scales, global scales and zero points (fp8 storage and scales count as floating point)."""
+    # top_k = E: the output does not hinge on which experts the lower-precision logits pick.
+    layer = _layer(quant_config=scheme, top_k=E, expert_bias=True, correction_bias=True)
+    x = torch.randn(16, H)
+    want = _forward(layer, x)
+    before = {name: b.clone() for name, b in layer.named_buffers()}
+    assert {"w13", "w2", "w13_scale", "w2_scale"} <= set(before)
+    converted = convert(copy.deepcopy(layer))
+    for name, b in converted.named_buffers():
+        assert b.dtype == before[name].dtype, f"{name}: {before[name].dtype} became {b.dtype}"
+        assert torch.equal(_bits(b), _bits(before[name])), f"{name} changed"
+    for name in ("router.weight", "w13_bias", "w2_bias", "e_score_correction_bias"):
+        assert converted.get_parameter(name).dtype == dtype
+    assert converted.quant_config().w13_scale is converted.w13_scale  # the config follows the buffers
+    out = _forward(converted, x.to(dtype))
+    assert out.dtype == dtype
+    aq = scheme.activation.dtype if scheme.activation is not None else None
+    assert relative_error(out, want) <= tolerance(dtype, aq)
+
+
+@pytest.mark.parametrize("scheme", [FP8_W8A16, NVFP4_W4A4, None], ids=["fp8_w8a16", "nvfp4_w4a4", "unquantized"])
+def test_device_move_with_dtype(scheme):
+    """.to(device, dtype) moves every tensor; only unquantized ones change dtype (meta stands in for
+    another device here, and the layer runs on it)."""
+    layer = _layer(quant_config=scheme)
+    dtypes = {name: b.dtype for name, b in layer.named_buffers()}
+    moved = layer.to(device="meta", dtype=torch.bfloat16)
+    assert all(t.is_meta for t in (*moved.parameters(), *moved.buffers()))
+    assert {name: b.dtype for name, b in moved.named_buffers()} == dtypes
+    assert moved.w13.dtype == (torch.bfloat16 if scheme is None else scheme.weight.storage)
+    out = _forward(moved, torch.randn(3, 5, H, device="meta", dtype=torch.bfloat16))
+    assert out.is_meta and out.shape == (3, 5, H) and out.dtype == torch.bfloat16
