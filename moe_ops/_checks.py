@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -80,9 +81,14 @@ def value_checks_enabled() -> bool:
     return True
 
 
+def has_values(t: torch.Tensor) -> bool:
+    """Whether t holds values to read: meta tensors and FakeTensorMode's fake tensors have none."""
+    return not (t.is_meta or is_fake(t))
+
+
 def expect_values_in_range(name: str, t: torch.Tensor, low: int, high: int, what: str) -> None:
-    """Eager-only: every value of t lies in [low, high)."""
-    if t.numel() == 0 or not value_checks_enabled():
+    """Eager-only: every value of t lies in [low, high). Skipped for tensors without values (meta, fake)."""
+    if t.numel() == 0 or not value_checks_enabled() or not has_values(t):
         return
     bad = (t < low) | (t >= high)
     if bool(bad.any()):

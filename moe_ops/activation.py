@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import _checks
+
 
 def _swigluoai(gate, up, alpha, limit):
     # gpt-oss: the gate is clamped from above only, the up projection on both sides, and 1 is added to it.
@@ -68,10 +70,26 @@ def split_gate_up(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, tor
     return x[:, :half], x[:, half:]
 
 
+def check_activation_args(x: torch.Tensor, kind: str, interleaved: bool) -> bool:
+    """The op's arguments (shapes and dtypes only, no values: safe under compile); returns gated."""
+    _checks.expect_choice("kind", kind, ACTIVATIONS)
+    gated = ACTIVATIONS[kind][0]
+    if interleaved and not gated:
+        raise ValueError(f"interleaved: {kind!r} has no gate, so interleaved=True means nothing; allowed: False")
+    _checks.expect_ndim("x", x, 2, "[R, 2I] (gated) or [R, I]")
+    _checks.expect_dtype("x", x, _checks.FLOAT_DTYPES)
+    if gated and x.shape[1] % 2:
+        raise ValueError(
+            f"x: {kind!r} splits each row into gate and up halves; the width must be even, got shape {tuple(x.shape)}"
+        )
+    return gated
+
+
 @torch.library.custom_op("moe_ops::activation", mutates_args=())
 def activation(x: torch.Tensor, kind: str, alpha: float, limit: float, interleaved: bool) -> torch.Tensor:
     """x [R, 2I] (gated) or [R, I] -> [R, I] in x's dtype."""
-    gated, fn = ACTIVATIONS[kind]
+    gated = check_activation_args(x, kind, interleaved)
+    fn = ACTIVATIONS[kind][1]
     xf = x.float()
     gate, up = split_gate_up(xf, interleaved) if gated else (xf, None)
     return fn(gate, up, alpha, limit).to(x.dtype).contiguous()
@@ -79,5 +97,5 @@ def activation(x: torch.Tensor, kind: str, alpha: float, limit: float, interleav
 
 @activation.register_fake
 def _activation_fake(x, kind, alpha, limit, interleaved):
-    gated = ACTIVATIONS[kind][0]
+    gated = check_activation_args(x, kind, interleaved)
     return x.new_empty((x.shape[0], x.shape[1] // 2 if gated else x.shape[1]))

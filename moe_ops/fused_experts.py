@@ -89,6 +89,8 @@ def check_inputs(
             f"topk_weights and topk_ids: expected both [M={m}, k], got {tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}"
         )
     top_k = topk_ids.shape[1]
+    if top_k < 1:
+        raise ValueError(f"topk_ids: top_k={top_k} (shape {tuple(topk_ids.shape)}); allowed: top_k >= 1")
     num_global = num_experts
     if expert_map is not None:
         _checks.expect_tensor("expert_map", expert_map)

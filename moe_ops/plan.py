@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from . import _checks
+
 
 def local_expert_ids(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None) -> torch.Tensor:
     """int64 [P]: the local expert of each pair, or num_experts for a dropped pair."""
@@ -28,11 +30,24 @@ def local_expert_ids(topk_ids: torch.Tensor, num_experts: int, expert_map: torch
     return torch.where(valid, ids, num_experts)
 
 
+def check_plan_args(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None) -> None:
+    """The op's arguments (shapes, dtypes and devices only, no values: safe under compile)."""
+    _checks.expect_ndim("topk_ids", topk_ids, 2, "[M, k]")
+    _checks.expect_dtype("topk_ids", topk_ids, _checks.INDEX_DTYPES)
+    if num_experts < 0:
+        raise ValueError(f"num_experts: got {num_experts}; allowed: an int >= 0")
+    if expert_map is not None:
+        _checks.expect_ndim("expert_map", expert_map, 1, "[E_global]")
+        _checks.expect_dtype("expert_map", expert_map, _checks.INDEX_DTYPES)
+        _checks.expect_same_device({"topk_ids": topk_ids, "expert_map": expert_map})
+
+
 @torch.library.custom_op("moe_ops::routing_plan", mutates_args=())
 def routing_plan(
     topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [M, k] int32/int64 -> (expert_offsets int32 [E+1], gather_idx int32 [M*k], inverse int32 [M*k])."""
+    check_plan_args(topk_ids, num_experts, expert_map)
     k = topk_ids.shape[1]
     key = local_expert_ids(topk_ids, num_experts, expert_map)
     num_pairs = key.numel()
@@ -50,6 +65,7 @@ def routing_plan(
 @routing_plan.register_kernel("cuda")
 def _routing_plan_cuda(topk_ids, num_experts, expert_map):
     # One Triton launch instead of the reference's dozen small kernels; the same outputs bit for bit.
+    check_plan_args(topk_ids, num_experts, expert_map)
     from .plan_kernel import routing_plan_triton
 
     return routing_plan_triton(topk_ids, num_experts, expert_map)
@@ -57,6 +73,7 @@ def _routing_plan_cuda(topk_ids, num_experts, expert_map):
 
 @routing_plan.register_fake
 def _routing_plan_fake(topk_ids, num_experts, expert_map):
+    check_plan_args(topk_ids, num_experts, expert_map)
     num_pairs = topk_ids.shape[0] * topk_ids.shape[1]
     return (
         topk_ids.new_empty((num_experts + 1,), dtype=torch.int32),

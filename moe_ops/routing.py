@@ -16,6 +16,8 @@ of a row with NaN logits are NaN (the routing is undefined there, and the output
 """
 from __future__ import annotations
 
+from numbers import Real
+
 import torch
 
 from . import _checks
@@ -118,6 +120,10 @@ def route(
     for name, v in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
             raise ValueError(f"{name}: got {v!r}; allowed: an int or None")
+    if not isinstance(routed_scaling_factor, Real) or isinstance(routed_scaling_factor, bool):
+        raise TypeError(
+            f"routed_scaling_factor: expected a real number, got {type(routed_scaling_factor).__name__} {routed_scaling_factor!r}"
+        )
     if num_expert_group is not None:
         if num_expert_group < 1 or num_experts % num_expert_group:
             raise ValueError(

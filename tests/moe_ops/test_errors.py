@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_ops
 from moe_ops import quant
@@ -160,6 +161,11 @@ BAD_FUSED = [
      ValueError, r"topk_weights and topk_ids: expected both \[M=6, k\], got \(5, 2\) and \(5, 2\)"),
     ("top_k_gt_E", lambda kw: {**kw, "topk_weights": torch.rand(M, E + 1), "topk_ids": torch.randint(0, E, (M, E + 1))},
      ValueError, r"topk_ids: top_k=5 is larger than the number of experts E=4"),
+    ("top_k_0", lambda kw: {**kw, "topk_weights": torch.rand(M, 0), "topk_ids": torch.zeros(M, 0, dtype=torch.int32)},
+     ValueError, r"topk_ids: top_k=0 \(shape \(6, 0\)\); allowed: top_k >= 1"),
+    ("top_k_0_no_tokens", lambda kw: {**kw, "hidden_states": kw["hidden_states"][:0], "topk_weights": torch.rand(0, 0),
+                                      "topk_ids": torch.zeros(0, 0, dtype=torch.int32)},
+     ValueError, r"topk_ids: top_k=0 \(shape \(0, 0\)\); allowed: top_k >= 1"),
     # expert ids (eager value checks)
     ("id_eq_E", _edit("topk_ids", _bad_id(E)), ValueError, r"topk_ids: value 4 is outside \[0, 4\) \(expert ids\)"),
     ("id_negative", _edit("topk_ids", _bad_id(-1)), ValueError, r"topk_ids: value -1 is outside \[0, 4\)"),
@@ -258,6 +264,39 @@ def test_allowed_layouts_are_accepted_and_correct(mutate):
     kw = mutate(dict(base))
     ref = moe_float64(*(base[n] for n in ("hidden_states", "w13", "w2", "topk_weights", "topk_ids")))
     assert relative_error(_call(kw), ref) <= F32_TOL
+
+
+def _map_tensors(kw: dict, fn) -> dict:
+    """kw with fn applied to every tensor, those of its quant_config included."""
+    kw = {n: (fn(v) if isinstance(v, torch.Tensor) else v) for n, v in kw.items()}
+    if "quant_config" in kw:
+        tensors = {n: fn(t) for n, t in kw["quant_config"].tensors().items() if t is not None}
+        kw["quant_config"] = dataclasses.replace(kw["quant_config"], **tensors)
+    return kw
+
+
+@pytest.mark.parametrize(
+    "build, dtype",
+    [
+        (lambda: _inputs(), torch.float32),
+        (lambda: _inputs(torch.bfloat16), torch.bfloat16),
+        (lambda: {**_inputs(), "expert_map": torch.tensor([0, 1, 2, 3, -1, -1]), "topk_ids": _ids(M, K, 6)}, torch.float32),
+        (lambda: _quantized(FP8_TOKEN), torch.float32),
+    ],
+    ids=["f32", "bf16", "expert_map", "fp8_w8a8"],
+)
+@pytest.mark.parametrize("where", ["meta", "fake"])
+def test_fused_experts_on_tensors_without_values(build, dtype, where):
+    """Meta tensors (a reference device) and FakeTensorMode's fake ones have no values to check: the
+    eager value checks skip them, and the call gives the output's shape and dtype."""
+    kw = build()
+    if where == "meta":
+        out = _call(_map_tensors(kw, lambda t: t.to("meta")))
+        assert out.is_meta
+    else:
+        with FakeTensorMode() as mode:
+            out = _call(_map_tensors(kw, mode.from_tensor))
+    assert out.shape == (M, QH if "quant_config" in kw else H) and out.dtype == dtype
 
 
 # ---- fused_experts, quantized --------------------------------------------------------------------
@@ -512,6 +551,10 @@ BAD_ROUTE = [
      TypeError, r"e_score_correction_bias: dtype torch.int32 is not allowed"),
     ("bias_device", lambda: moe_ops.route(torch.zeros(3, 8), 2, e_score_correction_bias=torch.zeros(8, device="meta")),
      ValueError, r"e_score_correction_bias: on meta, but router_logits is on cpu"),
+    ("scaling_factor_str", lambda: moe_ops.route(torch.zeros(3, 8), 2, routed_scaling_factor="x"), TypeError,
+     r"routed_scaling_factor: expected a real number, got str 'x'"),
+    ("scaling_factor_none", lambda: moe_ops.route(torch.zeros(3, 8), 2, routed_scaling_factor=None), TypeError,
+     r"routed_scaling_factor: expected a real number, got NoneType None"),
 ]
 
 
@@ -577,6 +620,59 @@ def test_activation_rejects(build, match):
         build()
 
 
+# ---- the registered ops, called directly ----------------------------------------------------------
+
+_IDS = torch.zeros(3, 2, dtype=torch.int32)
+BAD_OPS = [
+    ("activation_unknown_kind", lambda: (torch.ops.moe_ops.activation, (torch.randn(3, 8), "swish", 1.702, 7.0, False)),
+     ValueError, r"kind: got 'swish'; allowed: 'silu', 'gelu', 'gelu_tanh', 'swigluoai', 'relu2'"),
+    ("activation_odd_interleaved", lambda: (torch.ops.moe_ops.activation, (torch.randn(3, 7), "swigluoai", 1.702, 7.0, True)),
+     ValueError, r"x: 'swigluoai' splits each row into gate and up halves; the width must be even, got shape \(3, 7\)"),
+    ("activation_odd", lambda: (torch.ops.moe_ops.activation, (torch.randn(3, 7), "silu", 1.702, 7.0, False)),
+     ValueError, r"x: 'silu' splits each row into gate and up halves; the width must be even"),
+    ("activation_relu2_interleaved", lambda: (torch.ops.moe_ops.activation, (torch.randn(3, 8), "relu2", 1.702, 7.0, True)),
+     ValueError, r"interleaved: 'relu2' has no gate, so interleaved=True means nothing; allowed: False"),
+    ("activation_1d", lambda: (torch.ops.moe_ops.activation, (torch.randn(8), "silu", 1.702, 7.0, False)),
+     ValueError, r"x: expected 2-D \[R, 2I\] \(gated\) or \[R, I\], got shape \(8,\)"),
+    ("activation_int", lambda: (torch.ops.moe_ops.activation, (torch.ones(3, 8, dtype=torch.int32), "silu", 1.702, 7.0, False)),
+     TypeError, r"x: dtype torch.int32 is not allowed; allowed: torch.float32, torch.float16, torch.bfloat16"),
+    ("plan_float_ids", lambda: (torch.ops.moe_ops.routing_plan, (_IDS.float(), 4, None)),
+     TypeError, r"topk_ids: dtype torch.float32 is not allowed; allowed: torch.int32, torch.int64"),
+    ("plan_1d_ids", lambda: (torch.ops.moe_ops.routing_plan, (_IDS[:, 0], 4, None)),
+     ValueError, r"topk_ids: expected 2-D \[M, k\], got shape \(3,\)"),
+    ("plan_negative_experts", lambda: (torch.ops.moe_ops.routing_plan, (_IDS, -1, None)),
+     ValueError, r"num_experts: got -1; allowed: an int >= 0"),
+    ("plan_float_map", lambda: (torch.ops.moe_ops.routing_plan, (_IDS, 4, torch.arange(4.0))),
+     TypeError, r"expert_map: dtype torch.float32 is not allowed; allowed: torch.int32, torch.int64"),
+    ("plan_2d_map", lambda: (torch.ops.moe_ops.routing_plan, (_IDS, 4, torch.arange(4).view(2, 2))),
+     ValueError, r"expert_map: expected 1-D \[E_global\], got shape \(2, 2\)"),
+]
+
+
+@pytest.mark.parametrize("build, exc, match", [c[1:] for c in BAD_OPS], ids=[c[0] for c in BAD_OPS])
+@pytest.mark.parametrize("where", ["real", "fake"])
+def test_ops_reject(build, exc, match, where):
+    """The ops check their arguments' shapes and dtypes (never their values) in the real impl and in the
+    fake one, so a compiled call fails with the same message while tracing."""
+    op, args = build()
+    if where == "real":
+        with pytest.raises(exc, match=match):
+            op(*args)
+        return
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        with pytest.raises(exc, match=match):
+            op(*fake)
+
+
+def test_ops_accept_what_they_check():
+    # Positive control for test_ops_reject: the same calls with valid arguments run.
+    assert torch.ops.moe_ops.activation(torch.randn(3, 8), "swigluoai", 1.702, 7.0, True).shape == (3, 4)
+    assert torch.ops.moe_ops.activation(torch.randn(3, 7), "relu2", 1.702, 7.0, False).shape == (3, 7)
+    offsets, gather, inverse = torch.ops.moe_ops.routing_plan(_IDS.long(), 4, torch.arange(4, dtype=torch.int32))
+    assert offsets.shape == (5,) and gather.shape == inverse.shape == (6,)
+
+
 # ---- FusedMoE ------------------------------------------------------------------------------------
 
 BAD_LAYER = [
@@ -592,6 +688,7 @@ BAD_LAYER = [
     ("group_not_dividing", dict(num_expert_group=3, topk_group=1), ValueError, r"num_expert_group: got 3; allowed: a divisor of E=4"),
     ("topk_group_alone", dict(topk_group=1), ValueError, r"num_expert_group and topk_group"),
     ("kept_groups_too_small", dict(num_expert_group=4, topk_group=1), ValueError, r"top_k: got 2; the 1 kept groups hold only 1 experts"),
+    ("scaling_factor_str", dict(routed_scaling_factor="2.5"), TypeError, r"routed_scaling_factor: expected a real number, got str"),
 ]
 
 
