@@ -25,6 +25,8 @@ from moe_ops.quant import (
 )
 from moe_ops.reference import moe_float64, relative_error, tolerance
 
+from ..seeds import generator
+
 FE_MODULE = importlib.import_module("moe_ops.fused_experts")
 ROUTING_MODULE = importlib.import_module("moe_ops.routing")
 
@@ -33,12 +35,12 @@ F32_TOL = tolerance(torch.float32)
 
 
 def _ids(m: int, k: int, e: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     return torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).to(torch.int32)
 
 
 def _inputs(dtype=torch.float32, e=E, h=H, i=I, m=M, k=K, seed=0) -> dict:
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     return dict(
         hidden_states=torch.randn(m, h, generator=g).to(dtype),
         w13=(torch.randn(e, 2 * i, h, generator=g) / math.sqrt(h)).to(dtype),
@@ -587,7 +589,7 @@ def test_route_rejects_non_int_groups(no_ops, kwargs, name):
     ids=["softmax", "softmax_norenorm", "sigmoid", "deepseek_v3", "grouped_softmax"],
 )
 def test_nan_logits_do_not_crash_routing(kwargs):
-    logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
+    logits = torch.randn(5, 8, generator=generator(3))
     clean_w, clean_ids = moe_ops.route(logits, 2, **kwargs)
     logits[1, 3] = float("nan")
     logits[2] = float("nan")

@@ -14,6 +14,9 @@ from moe_ops.quant import ActivationQuant, GroupShape, QuantScheme, WeightQuant
 from moe_ops.quant import formats
 from moe_ops.reference import moe_float64, relative_error, tolerance
 
+from ..decoders import decode_weight
+from ..seeds import generator
+
 E, TOP_K, H, I = 8, 2, 64, 32
 F32_TOL = tolerance(torch.float32)
 
@@ -23,12 +26,22 @@ def _layer(**kwargs) -> moe_ops.FusedMoE:
     return moe_ops.FusedMoE(**{**args, **kwargs})
 
 
+def _decoded(layer: moe_ops.FusedMoE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's stored weights decoded in float64 by tests/decoders.py, not by the layer's own
+    float_weights(): w13 [E, n13, H], w2 [E, H, I]."""
+    c, wq = layer.quant_config(), layer.scheme.weight
+    return (
+        decode_weight(layer.w13, wq, c.w13_scale, c.w13_global_scale, c.w13_zero),
+        decode_weight(layer.w2, wq, c.w2_scale, c.w2_global_scale, c.w2_zero),
+    )
+
+
 def _reference(layer: moe_ops.FusedMoE, x: torch.Tensor, **kwargs) -> torch.Tensor:
-    """moe_float64 of the layer's own (dequantized) weights and routing, for x [..., H]."""
+    """moe_float64 of the layer's stored weights (independently decoded) and routing, for x [..., H]."""
     x2 = x.reshape(-1, x.shape[-1])
     with torch.no_grad():
         tw, ti = layer.routing_for(x2)
-        w13, w2 = layer.float_weights()
+        w13, w2 = _decoded(layer)
     ref = moe_float64(
         x2, w13, w2, tw, ti, activation=layer.activation, w13_bias=layer.w13_bias, w2_bias=layer.w2_bias, **kwargs
     )
@@ -42,7 +55,7 @@ def _forward(layer, x):
 
 def _expert_tensors(num=E, n13_parts=("gate", "up"), seed=0):
     """Per-expert float tensors: {part: [tensor of expert e]}."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     out = {p: [torch.randn(I, H, generator=g) / math.sqrt(H) for _ in range(num)] for p in n13_parts}
     out["down"] = [torch.randn(H, I, generator=g) / math.sqrt(I) for _ in range(num)]
     return out
@@ -409,7 +422,8 @@ def test_quantized_layer_quantizes_on_load(scheme):
     layer.load_weights({f"experts.{e}.{n}.weight": parts[p][e] for e in range(E) for p, n in
                         (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))})  # fmt: skip
     assert layer.w13.dtype == wq.storage and layer.w2.dtype == wq.storage
-    w13, w2 = layer.float_weights()
+    w13, w2 = _decoded(layer)
+    assert torch.equal(w13.float(), layer.float_weights()[0]) and torch.equal(w2.float(), layer.float_weights()[1])
     # exactly the reference quantizer's encoding of what was loaded ...
     r13, r2, cfg = quant.quantize_weights(scheme, e13, e2, calibration=torch.randn(4, H))
     assert torch.equal(layer.w13, r13) and torch.equal(layer.w2, r2)
