@@ -15,13 +15,15 @@ Two kernels compute it, chosen by the number of pairs P = M*k (launch_config):
   sorting them. From P = 8192 that costs less than each key's two scans of all P keys (bench/NOTES.md,
   v17, v26).
 
-On CUDA either kernel launches as a programmatic dependent (PDL) of the kernel before it and waits
-for it (griddepcontrol.wait) before reading topk_ids, so its launch overlaps that kernel's end: with
-back-to-back layers in a CUDA graph the next call starts ~0.5 µs sooner (bench/NOTES.md, v22). Small
-plans also let the GEMM after them launch at their start.
+On CUDA from sm_90 either kernel launches as a programmatic dependent (PDL) of the kernel before it
+and waits for it (griddepcontrol.wait) before reading topk_ids, so its launch overlaps that kernel's
+end: with back-to-back layers in a CUDA graph the next call starts ~0.5 µs sooner (bench/NOTES.md,
+v22). Small plans also let the GEMM after them launch at their start. Older GPUs have no
+griddepcontrol: there the kernels run in plain stream order (uses_grid_dependency).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -32,14 +34,16 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 @triton.jit
 def _keys(ids_ptr, map_ptr, offs, mask, num_experts, num_global, HAS_MAP: tl.constexpr):
-    """The local expert of each pair, num_experts for a dropped pair (see plan.local_expert_ids)."""
-    ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+    """The local expert of each pair, num_experts for a dropped pair (see plan.local_expert_ids).
+
+    Ids and map entries are range-checked at their own width and narrowed to int32 only after: narrowing
+    first would turn the int64 id 2**32 + 3 into expert 3 instead of dropping it."""
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
     if HAS_MAP:
         in_range = (ids >= 0) & (ids < num_global)
-        mapped = tl.load(map_ptr + ids, mask=mask & in_range, other=-1).to(tl.int32)
-        ids = tl.where(in_range, mapped, -1)
+        ids = tl.load(map_ptr + ids, mask=mask & in_range, other=-1)
     valid = (ids >= 0) & (ids < num_experts)
-    return tl.where(valid, ids, num_experts)
+    return tl.where(valid, ids.to(tl.int32), num_experts)
 
 
 # Sizes vary with M: specialising on their divisibility would compile a new kernel for some token counts.
@@ -197,6 +201,26 @@ def launch_config(num_pairs: int, num_experts: int) -> PlanLaunch:
     return PlanLaunch("keys", 8 if num_pairs >= 512 else 4, chunk=p2)
 
 
+# Grid dependency control (griddepcontrol, launch_pdl) needs sm_90 or newer; ptxas rejects it below.
+PDL_MIN_CAPABILITY = (9, 0)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    # Queried once per device: the plan runs on every layer of every call.
+    return torch.cuda.get_device_capability(index)
+
+
+def uses_grid_dependency(device: torch.device) -> bool:
+    """Whether the plan on `device` launches as a programmatic dependent and lets the GEMM after it
+    launch early: on CUDA devices of compute capability 9.0 or newer only (Triton's interpreter and
+    older GPUs run the kernels without griddepcontrol, in plain stream order)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= PDL_MIN_CAPABILITY
+
+
 def routing_plan_triton(
     topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, launch: PlanLaunch | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -215,15 +239,15 @@ def routing_plan_triton(
     ids = topk_ids.contiguous()
     emap = expert_map.contiguous() if expert_map is not None else ids
     sizes = (num_pairs, k, num_experts, emap.shape[0] if expert_map is not None else 0)
-    # Grid dependency control is a GPU feature: Triton's interpreter (CPU tensors) has none.
-    early = num_pairs <= EARLY_MAX_PAIRS and ids.is_cuda
+    grid_dependency = uses_grid_dependency(device)
+    early = num_pairs <= EARLY_MAX_PAIRS and grid_dependency
     # The plan itself launches as a programmatic dependent (PDL) of the kernel before it on the stream
     # (a model's router, or the previous MoE layer's token sum, which lets it launch early): its launch
     # overlaps that kernel's end, and it waits for it before reading (bench/NOTES.md, v22). That wait
     # covers all older work on the stream, as the kernel before it completes only after its own
     # predecessors (a normal launch starts after them; a programmatic dependent waits for them). The
     # token sum's early reads of topk_weights rely on the same chain (token_sum.py).
-    pdl = {"PDL": True, "launch_pdl": True} if ids.is_cuda else {"PDL": False}
+    pdl = {"PDL": True, "launch_pdl": True} if grid_dependency else {"PDL": False}
     if launch.method == "keys":
         _routing_plan_by_keys_kernel[(num_experts + 1,)](
             ids, emap, offsets, gather, inverse, *sizes,

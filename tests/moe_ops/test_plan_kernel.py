@@ -35,6 +35,11 @@ INTERPRETER_CASES = [
     (200, 2, 8, "skewed", "keys:32"),
     (0, 2, 8, False, None),
     (0, 2, 8, False, "blocks:128:128"),
+    # int64 ids, and map entries, beyond int32 whose low words name experts: dropped, not wrapped.
+    (40, 4, 16, "wide", "keys:32"),
+    (40, 4, 16, "wide", "blocks:32:64"),
+    (40, 4, 16, "wide_map", "keys:32"),
+    (40, 4, 16, "wide_map", "blocks:32:64"),
 ]
 
 
@@ -53,7 +58,7 @@ def plan_launch(spec: str | None, num_warps: int = 4):
 _SCRIPT = textwrap.dedent(
     """
     import sys, torch
-    from moe_ops.plan import routing_plan
+    from moe_ops.plan import local_expert_ids, routing_plan
     from moe_ops.plan_kernel import routing_plan_triton
     from tests.moe_ops.test_plan_kernel import plan_launch
     seed, m, k, e, kind, launch = sys.argv[1:]
@@ -67,8 +72,17 @@ _SCRIPT = textwrap.dedent(
         ids = torch.randint(-2, e + 7, (m, k), dtype=torch.int64)
     elif kind == "skewed":
         ids = torch.where(torch.rand(m, k) < 0.9, 3, torch.randint(0, e, (m, k))).to(torch.int32)
+    elif kind.startswith("wide"):
+        ids = torch.randint(0, e, (m, k), dtype=torch.int64)
+        shift = (torch.randint(0, 2, (m, k)) * 2 - 1) * 2**32
+        ids = torch.where(torch.rand(m, k) < 0.3, ids + shift, ids)
+        if kind == "wide_map":
+            emap = torch.randint(-1, e, (e,), dtype=torch.int64)
+            emap = torch.where(torch.rand(e) < 0.3, emap + 2**32, emap)
     else:
         ids = torch.randint(0, e, (m, k), dtype=torch.int32)
+    if kind.startswith("wide"):
+        assert local_expert_ids(ids, e, emap).lt(e).sum() < ids.numel(), "no wide id or entry was drawn"
     want = routing_plan(ids, e, emap)
     got = routing_plan_triton(ids, e, emap, launch)
     for name, a, b in zip(("expert_offsets", "gather_idx", "inverse"), want, got):
@@ -128,6 +142,24 @@ def test_cuda_plan_both_kernels_match_reference(m, k, e, launch):
         assert torch.equal(a, b.cpu())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,e", [(1, 8, 128), (1024, 8, 256), (3000, 4, 16)])
+@pytest.mark.parametrize("with_map", [False, True])
+def test_cuda_plan_drops_int64_ids_beyond_int32(m, k, e, with_map, rng):
+    """int64 ids (and map entries) whose low words name experts are dropped, as the reference drops them."""
+    ids = torch.randint(0, e, (m, k), dtype=torch.int64, generator=rng)
+    shift = (torch.randint(0, 2, (m, k), generator=rng) * 2 - 1) * 2**32
+    ids = torch.where(torch.rand(m, k, generator=rng) < 0.3, ids + shift, ids)
+    emap = None
+    if with_map:
+        emap = torch.randint(-1, e, (e,), dtype=torch.int64, generator=rng)
+        emap = torch.where(torch.rand(e, generator=rng) < 0.3, emap + 2**32, emap)
+    want = routing_plan(ids, e, emap)
+    got = routing_plan(ids.cuda(), e, emap.cuda() if emap is not None else None)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b.cpu())
+
+
 def test_launch_config_switches_kernel_at_keys_max_pairs():
     from moe_ops.plan_kernel import KEYS_MAX_PAIRS, launch_config
 
@@ -160,10 +192,9 @@ _SIGNATURES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(_SIGNATURES))
-def test_cuda_plan_waits_for_the_kernel_before_it(name):
-    """Launched as a programmatic dependent (launch_pdl), each kernel must not read topk_ids (or touch
-    any global memory) before griddepcontrol.wait: the kernel before it may still be writing them."""
+def _compile_without_gpu(name: str, capability: int, grid_dependency: bool):
+    """Triton's compile of one plan kernel for sm_<capability> (through its own ptxas), with or without
+    PDL and the early launch, as routing_plan_triton launches it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -173,11 +204,41 @@ def test_cuda_plan_waits_for_the_kernel_before_it(name):
     sizes, extra_ptrs = _SIGNATURES[name]
     ptrs = ("ids_ptr", "map_ptr", "offsets_ptr", "gather_ptr", "inverse_ptr", *extra_ptrs)
     signature = {p: "*i32" for p in ptrs} | {s: "i32" for s in ("num_pairs", "k", "num_experts", "num_global")}
-    constants = {"HAS_MAP": True, "EARLY_LAUNCH": True, "PDL": True, **sizes}
+    constants = {"HAS_MAP": True, "EARLY_LAUNCH": grid_dependency, "PDL": grid_dependency, **sizes}
     signature |= {c: "constexpr" for c in constants}
     src = ASTSource(getattr(plan_kernel, name), signature, constexprs=constants)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True})
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"launch_pdl": grid_dependency})
+
+
+@pytest.mark.parametrize("name", sorted(_SIGNATURES))
+def test_cuda_plan_waits_for_the_kernel_before_it(name):
+    """Launched as a programmatic dependent (launch_pdl), each kernel must not read topk_ids (or touch
+    any global memory) before griddepcontrol.wait: the kernel before it may still be writing them."""
+    compiled = _compile_without_gpu(name, 90, grid_dependency=True)
     assert compiled.metadata.launch_pdl
     before, after = split_at_wait(compiled.asm["ptx"])
     assert not touches_global(before), "a global access before griddepcontrol.wait"
     assert touches_global(after)
+
+
+@pytest.mark.parametrize(
+    "device,capability,expected",
+    [("cuda:0", (8, 0), False), ("cuda:0", (8, 9), False), ("cuda:0", (9, 0), True), ("cuda:0", (10, 0), True),
+     ("cpu", (9, 0), False)],
+)  # fmt: skip
+def test_grid_dependency_only_from_sm90(monkeypatch, device, capability, expected):
+    """PDL and the early launch of the GEMM emit griddepcontrol, which ptxas rejects below sm_90: A100,
+    L4 and RTX 4090 must run the plan in plain stream order."""
+    from moe_ops import plan_kernel
+
+    monkeypatch.setattr(plan_kernel, "_capability", lambda index: capability)
+    assert plan_kernel.uses_grid_dependency(torch.device(device)) is expected
+
+
+@pytest.mark.parametrize("name", sorted(_SIGNATURES))
+def test_cuda_plan_builds_for_sm80_without_grid_dependency(name):
+    """What an sm_80 GPU runs (uses_grid_dependency False): each kernel goes through ptxas for sm_80 and
+    holds no griddepcontrol instruction."""
+    compiled = _compile_without_gpu(name, 80, grid_dependency=False)
+    assert compiled.asm["cubin"]
+    assert "griddepcontrol" not in compiled.asm["ptx"]
