@@ -146,16 +146,31 @@ class FusedMoE(nn.Module):
         self._refresh_quant_config()
         return out
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # load_state_dict(..., assign=True) (the meta-device init path) replaces the buffers rather than
+        # copying into them; the config must point at the loaded ones, not at the replaced tensors.
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._refresh_quant_config()
+
     def routing_for(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, H] -> (topk_weights float32 [M, k], topk_ids int32 [M, k]) from this layer's router."""
         return route(self.router(x), self.top_k, e_score_correction_bias=self.e_score_correction_bias, **self.routing)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """x [..., H] -> [..., H]."""
+        """x [..., H] -> [..., H]. x must be on the layer's device and in its dtype (the router's; under
+        autocast the router casts for itself): otherwise ValueError / TypeError before anything runs."""
         _checks.expect_tensor("hidden_states", hidden_states)
         _checks.expect_dtype("hidden_states", hidden_states, _checks.FLOAT_DTYPES)
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states: expected [..., H={self.hidden_size}], got shape {tuple(hidden_states.shape)}")
+        weight = self.router.weight
+        if hidden_states.device != weight.device:
+            raise ValueError(f"hidden_states: on {hidden_states.device}, but the layer is on {weight.device}; allowed: {weight.device}")
+        if hidden_states.dtype != weight.dtype and not torch.is_autocast_enabled(hidden_states.device.type):
+            raise TypeError(
+                f"hidden_states: dtype {hidden_states.dtype} differs from the layer's {weight.dtype}; allowed: {weight.dtype} "
+                "(convert the input, or the layer with .to(dtype))"
+            )
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         topk_weights, topk_ids = self.routing_for(x)
@@ -175,7 +190,8 @@ class FusedMoE(nn.Module):
         [E, 2I, H] and "w2"/"down_proj" [E, H, I] (any prefix); the router as "gate.weight" or
         "router.weight"; "e_score_correction_bias". Every tensor must be used: unknown names, expert
         ids >= num_experts, a gate for an activation without one, or per-expert and stacked tensors for
-        the same projection raise ValueError. Nothing is written unless everything checks out.
+        the same projection raise ValueError. Nothing is written unless everything checks out. The layer
+        keeps copies (contiguous, in its dtype and on its device), never the given tensors themselves.
         """
         items = list(weights.items() if isinstance(weights, Mapping) else weights)
         per_expert: dict[tuple[str, str], dict[int, tuple[str, torch.Tensor]]] = {}
@@ -220,7 +236,10 @@ class FusedMoE(nn.Module):
         dtype = self.router.weight.dtype
         w13 = current13 if w13 is None else w13
         w2 = current2 if w2 is None else w2
-        self._set_expert_weights(w13.to(device=current13.device, dtype=dtype), w2.to(device=current2.device, dtype=dtype))
+        # Always a copy: the layer must not share storage with the caller's tensors (a later in-place
+        # change to the checkpoint or to the model it came from would silently change this layer).
+        copy = dict(dtype=dtype, copy=True, memory_format=torch.contiguous_format)
+        self._set_expert_weights(w13.to(device=current13.device, **copy), w2.to(device=current2.device, **copy))
 
     def _stack(self, per_expert, which: str, parts: tuple[str, ...], matrix_shape) -> torch.Tensor | None:
         """Stack per-expert tensors [rows, K] into [E, sum(rows), K]; None when none were given."""

@@ -2,9 +2,12 @@
 
 After `import moe_ops`, `from_pretrained(..., experts_implementation="moe_ops")` or
 `config._experts_implementation = "moe_ops"` runs every `@use_experts_implementation` experts module
-through moe_ops.fused_experts. The experts class's flags are honoured: concatenated or interleaved
+through moe_ops.fused_experts; one whose gating moe_ops cannot express (a custom _apply_gate other than
+gpt-oss's, a post-expert norm, an unknown act_fn) raises NotImplementedError saying which. The experts
+class's flags are honoured: concatenated or interleaved
 gate/up (is_concatenated), transposed weights (is_transposed: read as column-major views, no copy),
-biases (has_bias), has_gate, and its act_fn (or gpt-oss's clamped SwiGLU). Expert-parallel sentinel ids
+biases (has_bias), has_gate, and its act_fn (an activation module, or torch.nn.functional.silu / gelu
+itself as LFM2-MoE holds it; or gpt-oss's clamped SwiGLU). Expert-parallel sentinel ids
 (>= num_experts) are dropped. Importing moe_ops does not import transformers: the implementation is
 registered when transformers.integrations.moe is first imported (or at once if it already was).
 """
@@ -34,6 +37,8 @@ _ACT_FN = {
     "GELUPytorchTanh": "gelu_tanh",
     "ReLUSquaredActivation": "relu2",
 }
+# act_fn given as a plain function (LFM2-MoE's experts hold F.silu itself) -> our kind, matched by identity.
+_ACT_FUNCTIONS = ((torch.nn.functional.silu, "silu"), (torch.nn.functional.gelu, "gelu"))
 
 
 def experts_activation(experts: torch.nn.Module) -> Activation:
@@ -48,12 +53,17 @@ def experts_activation(experts: torch.nn.Module) -> Activation:
         if hasattr(experts, "alpha") and hasattr(experts, "limit"):  # gpt-oss's clamped SwiGLU
             return Activation("swigluoai", float(experts.alpha), float(experts.limit), interleaved=interleaved)
         raise NotImplementedError(f"{cls}: its custom _apply_gate has no moe_ops equivalent")
-    act_name = type(getattr(experts, "act_fn", None)).__name__
+    act_fn = getattr(experts, "act_fn", None)
+    act_name = type(act_fn).__name__
     kind = _ACT_FN.get(act_name)
+    if kind is None:
+        kind = next((k for fn, k in _ACT_FUNCTIONS if act_fn is fn), None)
+        act_name = getattr(act_fn, "__qualname__", act_name) if callable(act_fn) else act_name
     if kind == "gelu" and getattr(experts.act_fn, "approximate", "none") == "tanh":
         kind = "gelu_tanh"
     if kind is None:
-        raise NotImplementedError(f"{cls}: activation {act_name} has no moe_ops equivalent; known: {', '.join(_ACT_FN)}")
+        known = [*_ACT_FN, *(f"torch.nn.functional.{fn.__name__}" for fn, _ in _ACT_FUNCTIONS)]
+        raise NotImplementedError(f"{cls}: activation {act_name} has no moe_ops equivalent; known: {', '.join(known)}")
     if experts.has_gate == (kind == "relu2"):
         raise NotImplementedError(f"{cls}: activation {kind} with has_gate={experts.has_gate} is not supported")
     return Activation(kind, interleaved=interleaved) if kind != "relu2" else Activation(kind)

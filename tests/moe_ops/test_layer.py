@@ -506,3 +506,94 @@ def test_device_move_with_dtype(scheme):
     assert moved.w13.dtype == (torch.bfloat16 if scheme is None else scheme.weight.storage)
     out = _forward(moved, torch.randn(3, 5, H, device="meta", dtype=torch.bfloat16))
     assert out.is_meta and out.shape == (3, 5, H) and out.dtype == torch.bfloat16
+
+
+# ---- state_dict round trips, input checks, load_weights copies -----------------------------------
+
+
+@pytest.mark.parametrize("target", ["meta", "cpu"])
+@pytest.mark.parametrize(
+    "scheme", [None, FP8_W8A16, INT4_ZP, NVFP4_W4A4], ids=["unquantized", "fp8_w8a16", "int4_zero_point", "nvfp4_w4a4"]
+)
+def test_load_state_dict_assign(scheme, target):
+    """load_state_dict(..., assign=True), the meta-device init path, replaces the buffers: the layer must
+    then compute with the loaded weights and scales, not with the tensors they replaced."""
+    source = _layer(quant_config=scheme, expert_bias=True)
+    with torch.no_grad():
+        source.w13_bias.normal_()
+        source.w2_bias.normal_()
+    if target == "meta":
+        with torch.device("meta"):
+            layer = _layer(quant_config=scheme, expert_bias=True)
+    else:
+        layer = _layer(quant_config=scheme, expert_bias=True)
+    layer.load_state_dict(source.state_dict(), assign=True)
+    assert not any(t.is_meta for t in (*layer.parameters(), *layer.buffers()))
+    config = layer.quant_config()
+    for name, t in config.tensors().items():
+        if t is not None:
+            assert t is getattr(layer, name), f"quant_config().{name} is not the loaded buffer"
+    x = torch.randn(2, 7, H)
+    out = _forward(layer, x)
+    assert torch.equal(out, _forward(source, x))
+    aq = scheme.activation.dtype if scheme is not None and scheme.activation is not None else None
+    assert relative_error(out, _reference(layer, x)) <= tolerance(torch.float32, aq)
+
+
+@pytest.mark.parametrize(
+    "layer_dtype, x_dtype, scheme",
+    [(torch.bfloat16, torch.float32, None), (torch.float32, torch.bfloat16, FP8_W8A16), (torch.float16, torch.bfloat16, None)],
+    ids=["bf16_layer_fp32_input", "fp32_fp8_layer_bf16_input", "fp16_layer_bf16_input"],
+)
+def test_forward_rejects_input_dtype_other_than_the_layers(layer_dtype, x_dtype, scheme):
+    layer = _layer(dtype=layer_dtype, quant_config=scheme)
+    x = torch.randn(4, H, dtype=x_dtype)
+    with pytest.raises(TypeError, match=rf"hidden_states: dtype {x_dtype} differs from the layer's {layer_dtype}; allowed: {layer_dtype}"):
+        _forward(layer, x)
+    assert _forward(layer, x.to(layer_dtype)).dtype == layer_dtype  # the same input in the layer's dtype runs
+
+
+def test_forward_input_dtype_may_differ_under_autocast():
+    """Under autocast the router's linear casts for itself: a float32 fp8-weight layer takes bf16 input."""
+    layer = _layer(quant_config=FP8_W8A16, top_k=E)  # top_k = E: the output does not hinge on bf16 logits
+    x = torch.randn(6, H)
+    want = _forward(layer, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _forward(layer, x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, want) <= tolerance(torch.bfloat16)
+
+
+def test_forward_rejects_input_on_another_device():
+    with torch.device("meta"):
+        layer = _layer()
+    with pytest.raises(ValueError, match=r"hidden_states: on cpu, but the layer is on meta; allowed: meta"):
+        _forward(layer, torch.randn(3, H))
+
+
+def test_load_weights_copies_the_given_tensors():
+    """load_weights keeps copies: a later in-place change to the checkpoint (or to the layer it came from)
+    leaves the loaded layer as it was."""
+    source = _layer()
+    layer = _layer()
+    layer.load_weights(source.state_dict())
+    x = torch.randn(9, H)
+    want = _forward(source, x)
+    assert torch.equal(_forward(layer, x), want)
+    source.load_state_dict(_layer().state_dict())  # copies into source's tensors in place
+    assert not torch.equal(_forward(source, x), want)
+    assert torch.equal(_forward(layer, x), want)
+    for name in ("w13", "w2"):
+        assert getattr(layer, name).untyped_storage().data_ptr() != getattr(source, name).untyped_storage().data_ptr()
+
+
+def test_load_weights_strided_views():
+    """Stacked views with neither row- nor column-major experts are stored in a layout forward accepts."""
+    e13, e2 = _stacked(_expert_tensors(seed=4))
+    wide13 = torch.randn(E, 2 * I, 2 * H)
+    wide13[..., ::2] = e13
+    layer = _layer()
+    layer.load_weights({"w13": wide13[..., ::2], "w2": e2})
+    assert torch.equal(layer.float_weights()[0], e13)
+    x = torch.randn(5, H)
+    assert relative_error(_forward(layer, x), _reference(layer, x)) <= F32_TOL

@@ -271,6 +271,39 @@ def test_expert_parallel_sentinels_are_dropped(spy):
         assert relative_error(experts(hidden, ids_valid, weights), eager) > TOL
 
 
+@pytest.mark.parametrize("act_fn", ["silu", "gelu"])
+def test_experts_with_a_plain_function_as_act_fn(act_fn, spy):
+    """LFM2-MoE's experts hold torch.nn.functional.silu itself as act_fn, not an activation module:
+    moe_ops maps it by identity and matches the experts' own eager forward."""
+    from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeExperts
+
+    cfg = transformers.Lfm2MoeConfig(hidden_size=COMMON["hidden_size"], moe_intermediate_size=32, num_experts=4)
+    experts = _reinit(Lfm2MoeExperts(cfg))
+    experts.act_fn = getattr(torch.nn.functional, act_fn)
+    assert INTEGRATION.experts_activation(experts) == moe_ops.Activation(act_fn)
+    g = generator(8)
+    hidden = torch.randn(10, COMMON["hidden_size"], generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(10)])
+    weights = torch.rand(10, 2, generator=g)
+    with torch.no_grad():
+        experts.config._experts_implementation = "eager"
+        eager = experts(hidden, ids, weights)
+        experts.config._experts_implementation = "moe_ops"
+        ours = experts(hidden, ids, weights)
+    assert len(spy) == 1
+    assert eager.abs().max() > 0
+    assert relative_error(ours, eager) <= TOL
+
+
+def test_unknown_plain_function_act_fn_is_named():
+    from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeExperts
+
+    experts = Lfm2MoeExperts(transformers.Lfm2MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4))
+    experts.act_fn = torch.nn.functional.mish
+    with pytest.raises(NotImplementedError, match=r"Lfm2MoeExperts: activation mish has no moe_ops equivalent; known: .*torch\.nn\.functional\.silu"):
+        INTEGRATION.experts_activation(experts)
+
+
 def _python(code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=120)
