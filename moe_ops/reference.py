@@ -87,8 +87,8 @@ def fake_quantize(x: torch.Tensor, dtype: str, group: tuple[int, int], scale=Non
                 bs32 = torch.tensor(bs, dtype=torch.float32).item()
                 y = blk.float() / (bs32 if bs32 > 0 else 1.0)
                 nearest = (y.double().abs().unsqueeze(-1) - e2m1).abs()
-                # ties go to the larger magnitude, as the ops' encoder does
-                idx = (nearest - 1e-12 * torch.arange(8, dtype=torch.float64)).argmin(-1)
+                # ties go to the even code (round half to even, as NVIDIA's cvt.rn.satfinite.e2m1x2 does)
+                idx = (nearest + 1e-12 * (torch.arange(8, dtype=torch.float64) % 2)).argmin(-1)
                 out[r0 : r0 + gr, c0 : c0 + gc] = torch.sign(y.double()) * e2m1[idx] * bs32
             else:
                 raise ValueError(f"fake_quantize: dtype {dtype!r} not one of fp8, int8, nvfp4")

@@ -44,7 +44,9 @@ def unpack_nibbles_bits(packed: torch.Tensor) -> torch.Tensor:
 
 
 def decode_e8m0(t: torch.Tensor) -> torch.Tensor:
-    return torch.tensor([2.0 ** (b - 127) for b in t.flatten().tolist()], dtype=torch.float64).reshape(t.shape)
+    """uint8 biased exponents -> float64 2**(b - 127); 255 is NaN (OCP MX: e8m0 has no infinity)."""
+    values = [float("nan") if b == 255 else 2.0 ** (b - 127) for b in t.flatten().tolist()]
+    return torch.tensor(values, dtype=torch.float64).reshape(t.shape)
 
 
 def expand(scale: torch.Tensor, group: GroupShape, rows: int, cols: int) -> torch.Tensor:

@@ -10,9 +10,10 @@ dequantization multipliers: x ~= decode(q) * scale (* global_scale for nvfp4).
 | int8   | int8, symmetric                     | float32                     |                                |
 | int4   | uint8, 2 per byte, values 0..15     | float32/bf16/fp16           | zero points uint8 (else 8)     |
 | nvfp4  | uint8, 2 e2m1 per byte, groups 1x16 | float8_e4m3fn               | float32 global scale           |
-| mxfp4  | uint8, 2 e2m1 per byte, groups 1x32 | uint8 e8m0 (2**(b - 127))   |                                |
+| mxfp4  | uint8, 2 e2m1 per byte, groups 1x32 | uint8 e8m0 (2**(b - 127))   | 0xFF = NaN (NaN/inf block)     |
 
-Packed formats hold element 2j in the low nibble and 2j+1 in the high nibble of byte j.
+Packed formats hold element 2j in the low nibble and 2j+1 in the high nibble of byte j. e2m1 values are
+rounded to nearest, ties to even, and saturate at +-6.
 """
 from __future__ import annotations
 
@@ -89,9 +90,14 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """float -> uint8 e2m1 codes (0..15), round to nearest, saturating at +-6."""
+    """float -> uint8 e2m1 codes (0..15), round to nearest with ties to even (the even code: 0.25 -> 0,
+    0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4, as NVIDIA's cvt.rn.satfinite.e2m1x2 and
+    OCP MX conversion round), saturating at +-6."""
     mids = torch.tensor(_E2M1_MIDPOINTS, device=x.device, dtype=torch.float32)
-    magnitude = torch.bucketize(x.float().abs(), mids, right=True)  # 0..7, ties round up
+    a = x.float().abs()
+    up = torch.bucketize(a, mids, right=True)  # 0..7, a tie goes to the larger magnitude
+    down = torch.bucketize(a, mids, right=False)  # a tie goes to the smaller; equal to `up` off ties
+    magnitude = torch.where(down % 2 == 0, down, up)  # at a tie, whichever code is even
     sign = (x < 0).to(torch.uint8) << 3
     return magnitude.to(torch.uint8) | sign
 
@@ -101,15 +107,24 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     return table[codes.long()]
 
 
+E8M0_NAN = 255  # e8m0 has no infinity; 0xFF is its NaN
+
+
 def e8m0_encode(scale: torch.Tensor) -> torch.Tensor:
     """Positive float32 -> uint8 biased exponents b with 2**(b - 127) >= scale (rounded up, so that
-    x / 2**(b - 127) never exceeds the element format's range)."""
-    exponent = torch.ceil(torch.log2(scale.float().clamp(min=2.0**-127)))
-    return (exponent + 127).clamp(0, 254).to(torch.uint8)
+    x / 2**(b - 127) never exceeds the element format's range). A NaN or infinite scale (a block
+    holding NaN or inf) encodes as the e8m0 NaN 0xFF: the whole block then decodes to NaN, as the
+    OCP MX spec has it, instead of a finite block that hides the bad input."""
+    s = scale.float()
+    exponent = torch.ceil(torch.log2(s.clamp(min=2.0**-127)))
+    biased = torch.where(torch.isfinite(s), (exponent + 127).clamp(0, 254), float(E8M0_NAN))
+    return biased.to(torch.uint8)
 
 
 def e8m0_decode(biased: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(biased.float() - 127.0)
+    """uint8 biased exponents -> float32 2**(b - 127); 0xFF is NaN (OCP MX: e8m0 has no infinity)."""
+    b = biased.float()
+    return torch.where(b == E8M0_NAN, float("nan"), torch.exp2(b - 127.0))
 
 
 # ---- quantizers: float [..., R, C] -> (q, scale[, ...]) ------------------------------------------

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import _checks
 from . import formats
+from .scheme import ActivationQuant, GroupShape
 
 ACTIVATION_STORAGE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8, "nvfp4": torch.uint8}
 _SCALE_DTYPE = {"fp8": torch.float32, "int8": torch.float32, "nvfp4": torch.float8_e4m3fn}
@@ -28,6 +30,30 @@ _QUANTIZERS = {
 }
 
 
+def check_quantize_args(x, dtype, group, scale, global_scale) -> None:
+    """The op's arguments (shapes and dtypes only, no values: safe under compile). A static scale is one
+    per-tensor scale; nvfp4 needs its global scale and takes no static scale; the other formats take no
+    global scale. Checked in the real and the fake impl alike, so neither accepts what the other rejects
+    (a static scale with a per-token group came back [1, 1] from the real impl and [M, 1] from the fake)."""
+    _checks.expect_choice("dtype", dtype, ACTIVATION_STORAGE)
+    _checks.expect_ndim("x", x, 2, "[M, K]")
+    _checks.expect_dtype("x", x, _checks.FLOAT_DTYPES)
+    if len(group) != 2:
+        raise ValueError(f"group: got {list(group)!r}; allowed: [rows, cols]")
+    ActivationQuant(dtype, GroupShape(group[0], group[1]), static=scale is not None)  # raises on a bad group
+    if scale is not None and scale.numel() != 1:
+        raise ValueError(f"scale: a static scale is one per-tensor value, got shape {tuple(scale.shape)}")
+    if dtype == "nvfp4":
+        if x.shape[1] % 2:
+            raise ValueError(f"x: nvfp4 packs two values per byte; K must be even, got shape {tuple(x.shape)}")
+        if global_scale is None:
+            raise ValueError("global_scale: nvfp4 needs its float32 global scale [1], got None")
+        if global_scale.numel() != 1:
+            raise ValueError(f"global_scale: expected one value [1], got shape {tuple(global_scale.shape)}")
+    elif global_scale is not None:
+        raise ValueError(f"global_scale: only nvfp4 uses a global scale, got one for {dtype}")
+
+
 @torch.library.custom_op("moe_ops::quantize", mutates_args=())
 def quantize(
     x: torch.Tensor,
@@ -37,6 +63,7 @@ def quantize(
     global_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference activation quantization; see the module docstring."""
+    check_quantize_args(x, dtype, group, scale, global_scale)
     group_t = (group[0], group[1])
     static = scale.reshape(1, 1) if scale is not None else None
     q, s = _QUANTIZERS[dtype](x, group_t, static, global_scale)
@@ -46,6 +73,7 @@ def quantize(
 
 @quantize.register_fake
 def _quantize_fake(x, dtype, group, scale, global_scale):
+    check_quantize_args(x, dtype, group, scale, global_scale)
     m, k = x.shape
     packing = 2 if dtype == "nvfp4" else 1
     sr, sc = formats.scale_shape((group[0], group[1]), m, k)

@@ -226,3 +226,31 @@ def test_weighted_reduce(m, k, dropped, dtype):
     y = torch.randn(m * k, 48).to(dtype)
     weights = torch.rand(m, k)
     check(weighted_reduce, [y, weights, inverse, offsets])
+
+
+# Arguments the real and fake quantize disagreed on (a static scale with a per-token group: real [1, 1],
+# fake [M, 1]) or crashed on (nvfp4 without its global scale): both impls now reject them alike.
+BAD_QUANTIZE = {
+    "static_scale_per_token": ("fp8", [1, -1], True, False),
+    "static_scale_1x128": ("fp8", [1, 128], True, False),
+    "static_scale_nvfp4": ("nvfp4", [1, 16], True, True),
+    "nvfp4_without_global_scale": ("nvfp4", [1, 16], False, False),
+    "global_scale_for_fp8": ("fp8", [-1, -1], False, True),
+    "int8_1x32": ("int8", [1, 32], False, False),
+    "unknown_dtype": ("int4", [1, -1], False, False),
+    "nvfp4_odd_k": ("nvfp4", [1, 16], False, True),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_QUANTIZE))
+def test_quantize_rejects_bad_args_real_and_fake(case):
+    fmt, group, static, with_global = BAD_QUANTIZE[case]
+    m = int(torch.randint(2, 9, ()))
+    x = torch.randn(m, 127 if case == "nvfp4_odd_k" else 128)
+    scale = torch.rand(1) * 0.02 + 0.005 if static else None
+    global_scale = torch.rand(1) * 0.01 + 1e-3 if with_global else None
+    with pytest.raises(ValueError):
+        quantize(x, fmt, group, scale, global_scale)
+    with FakeTensorMode() as mode, pytest.raises(ValueError):
+        quantize(mode.from_tensor(x), fmt, group, scale if scale is None else mode.from_tensor(scale),
+                 global_scale if global_scale is None else mode.from_tensor(global_scale))  # fmt: skip
