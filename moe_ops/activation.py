@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import _checks
+from . import _checks, forward_only
 
 
 def _swigluoai(gate, up, alpha, limit):
@@ -99,3 +99,6 @@ def activation(x: torch.Tensor, kind: str, alpha: float, limit: float, interleav
 def _activation_fake(x, kind, alpha, limit, interleaved):
     gated = check_activation_args(x, kind, interleaved)
     return x.new_empty((x.shape[0], x.shape[1] // 2 if gated else x.shape[1]))
+
+
+forward_only.register(activation)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from . import forward_only
 from .quant import formats
 from .quant.quantize import dequantize_activation
 
@@ -106,3 +107,6 @@ def _grouped_gemm_fake(
     rows = gather_idx.shape[0] if gather_idx is not None else a.shape[0]
     torch._check(expert_offsets.shape[0] == w.shape[0] + 1, lambda: "expert_offsets must have E + 1 entries")
     return a.new_empty((rows, w.shape[1]), dtype=out_dtype)
+
+
+forward_only.register(grouped_gemm)

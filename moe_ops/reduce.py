@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from . import forward_only
+
 
 @torch.library.custom_op("moe_ops::weighted_reduce", mutates_args=())
 def weighted_reduce(
@@ -29,3 +31,6 @@ def weighted_reduce(
 def _weighted_reduce_fake(y, topk_weights, inverse, expert_offsets):
     torch._check(inverse.shape[0] == topk_weights.shape[0] * topk_weights.shape[1])
     return y.new_empty((topk_weights.shape[0], y.shape[1]))
+
+
+forward_only.register(weighted_reduce)

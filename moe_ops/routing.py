@@ -20,7 +20,7 @@ from numbers import Real
 
 import torch
 
-from . import _checks
+from . import _checks, forward_only
 
 SCORING = {
     "softmax": lambda logits: torch.softmax(logits, dim=-1),
@@ -153,3 +153,6 @@ def route(
         e_score_correction_bias,
         float(routed_scaling_factor),
     )
+
+
+forward_only.register(route_op)

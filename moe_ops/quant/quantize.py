@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _checks
+from .. import _checks, forward_only
 from . import formats
 from .scheme import ActivationQuant, GroupShape
 
@@ -91,3 +91,6 @@ def dequantize_activation(
     if dtype == "none":
         return a.float()
     return formats.dequantize(a, dtype, (group[0], group[1]), scale, global_scale)
+
+
+forward_only.register(quantize)
