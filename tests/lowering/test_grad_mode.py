@@ -2,6 +2,7 @@
 its chain fused, and computes what the unfused layer computes under no_grad."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
@@ -24,3 +25,19 @@ def test_chain_fused_in_grad_mode():
     assert "moe_ops.grouped_gemm" not in code
     assert out.requires_grad
     torch.testing.assert_close(out, want)
+
+
+@pytest.mark.gpu
+def test_chain_runs_the_kernels_in_grad_mode():
+    """On the GPU in grad mode the fused ops run the CuTe DSL kernels (require_kernels: no fallback) and
+    give the output of the same compiled layer under no_grad."""
+    layer = moe_ops.FusedMoE(E, K, H, I, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(37, H, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    with lowering.enabled(require_kernels=True):
+        compiled = torch.compile(layer, fullgraph=True)
+        with torch.no_grad():
+            want = compiled(x)
+        out = compiled(x)
+    assert out.requires_grad
+    assert torch.equal(out, want)
