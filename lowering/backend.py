@@ -78,6 +78,10 @@ def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
     )  # fmt: skip
     if not recipe["contiguous"]:
         return False, "a non-contiguous input; the kernels take contiguous tensors"
+    wide = {name: dtype for name, dtype in recipe["index_dtypes"].items() if dtype != torch.int32}
+    if wide:
+        given = ", ".join(f"{name} in {dtype}" for name, dtype in wide.items())
+        return False, f"{given}; the kernels read int32 index tensors (the routing plan's)"
     if recipe["out_dtype"] != recipe["dtype"]:
         return False, f"output in {recipe['out_dtype']} from inputs in {recipe['dtype']}; the kernels write the inputs' dtype"
     if op == "gate_up":
@@ -103,6 +107,12 @@ def _choose(op: str, recipe: dict, device: torch.device) -> Choice:
     return choice
 
 
+def _index_dtypes(args: dict, *names: str) -> dict:
+    """The dtypes of the index tensors the kernels read through int32 pointers. The primitive ops take
+    int64 ones too (a hand-written chain's own plan, a cumsum's offsets), so the recipe must name them."""
+    return {name: args[name].dtype for name in names}
+
+
 def gate_up_recipe(args: dict) -> dict:
     """The recipe of a gate_up call: what the kernel choice depends on (never tensor values)."""
     w = args["w"]
@@ -117,6 +127,7 @@ def gate_up_recipe(args: dict) -> dict:
         intermediate=w.shape[1] // 2 if gated else w.shape[1],
         quantized=args["a_dtype"] != "none" or args["w_dtype"] != "none" or args["out_quant_dtype"] != "none",
         contiguous=_contiguous(args["x"], w, args["bias"], args["expert_offsets"], args["gather_idx"]),
+        index_dtypes=_index_dtypes(args, "expert_offsets", "gather_idx"),
     )  # fmt: skip
 
 
@@ -132,6 +143,7 @@ def down_reduce_recipe(args: dict) -> dict:
         contiguous=_contiguous(
             args["a"], w, args["bias"], args["expert_offsets"], args["gather_idx"], args["topk_weights"], args["inverse"]
         ),
+        index_dtypes=_index_dtypes(args, "expert_offsets", "gather_idx", "inverse"),
     )  # fmt: skip
 
 

@@ -60,6 +60,7 @@ class Chain:
     quant1: Node | None = None
     quant2: Node | None = None
     getitems: list[Node] = field(default_factory=list)
+    position: int = 0  # the chain's place among the graph's weighted_reduce nodes (explain()'s layer order)
 
     def nodes(self) -> list[Node]:
         """Every node the fused pair replaces, users before producers (the order to erase them)."""
@@ -72,6 +73,7 @@ class Chain:
 class Unfused:
     reduce: Node
     reason: str
+    position: int = 0  # as Chain.position
 
 
 def _input_of_gemm(gemm: Node, chain: Chain, slot: str):
@@ -123,6 +125,18 @@ def match(reduce: Node) -> Chain:
     if not (g1["expert_offsets"] is g2["expert_offsets"] is r["expert_offsets"]):
         raise ValueError("the GEMMs and the reduction use different expert_offsets")
     _input_of_gemm(gemm1, chain, "quant1")
+    if chain.quant1 is not None:
+        # gate_up quantizes x with the GEMM's own recipe (a_dtype, a_group, a_global_scale), the one it
+        # dequantizes with; a quantize made with another one would be replaced by a different computation.
+        q1 = op_args(chain.quant1)
+        made = (q1["dtype"], list(q1["group"]))
+        read = (g1["a_dtype"], list(g1["a_group"]))
+        if made != read:
+            raise ValueError(
+                f"the first GEMM reads its input as {read[0]} {read[1]} but moe_ops.quantize made it as {made[0]} {made[1]}"
+            )
+        if q1["global_scale"] is not g1["a_global_scale"]:
+            raise ValueError("the first GEMM's a_global_scale is not the global scale its input was quantized with")
     # Every intermediate must feed the chain only, or fusing would have to keep it alive too.
     _only_users(gemm2, {reduce}, "the second GEMM's output")
     _only_users(gemm1, {act}, "the first GEMM's output")
@@ -139,10 +153,13 @@ def match(reduce: Node) -> Chain:
 def find(graph: torch.fx.Graph) -> tuple[list[Chain], list[Unfused]]:
     """Every weighted_reduce's chain: the fusable ones and, for the others, why not."""
     chains, unfused = [], []
-    for node in graph.nodes:
-        if is_op(node, "weighted_reduce"):
-            try:
-                chains.append(match(node))
-            except ValueError as e:
-                unfused.append(Unfused(node, str(e)))
+    reduces = [node for node in graph.nodes if is_op(node, "weighted_reduce")]
+    for position, node in enumerate(reduces):
+        try:
+            chain = match(node)
+        except ValueError as e:
+            unfused.append(Unfused(node, str(e), position))
+        else:
+            chain.position = position
+            chains.append(chain)
     return chains, unfused

@@ -160,16 +160,19 @@ def _recipe_text(gu: dict) -> str:
 
 
 def _rows(report: PassReport, start: int) -> list[LayerRow]:
+    """One row per MoE layer of the graph, fused or not, in graph order (the order of the layers'
+    weighted_reduce nodes), numbered from `start`."""
     rows = []
     for f in report.fused:
         gu, dr = _fake_args(f.gate_up), _fake_args(f.down_reduce)
         device = gu["x"].device
         dtypes = f"x {_SHORT_DTYPE.get(gu['x'].dtype)}, w {_SHORT_DTYPE.get(gu['w'].dtype)}, out {_SHORT_DTYPE.get(gu['out_dtype'])}"
         backends = f"{_backend_text('gate_up', gu, device)}; {_backend_text('down_reduce', dr, device)}"
-        rows.append(LayerRow(start + len(rows), "gate_up + down_reduce", _recipe_text(gu), dtypes, backends))
+        rows.append((f.chain.position, "gate_up + down_reduce", _recipe_text(gu), dtypes, backends))
     for u in report.unfused:
-        rows.append(LayerRow(start + len(rows), "not fused", "-", "-", f"reason: {u.reason}"))
-    return rows
+        rows.append((u.position, "not fused", "-", "-", f"reason: {u.reason}"))
+    rows.sort(key=lambda r: r[0])
+    return [LayerRow(start + i, *r[1:]) for i, r in enumerate(rows)]
 
 
 @dataclass

@@ -9,6 +9,7 @@ from moe_ops import quant as Q
 from moe_ops.activation import activation as activation_op
 from moe_ops.gemm import grouped_gemm
 from moe_ops.plan import routing_plan
+from moe_ops.quant.quantize import quantize
 from moe_ops.reduce import weighted_reduce
 
 
@@ -137,6 +138,55 @@ class Primitives(SecondUser):
 
 def case_primitives():
     return Primitives(), 128, 4, torch.float32
+
+
+class HandQuantized(nn.Module):
+    """A chain written with the primitive ops whose first GEMM's input is quantized by hand:
+    moe_ops.quantize makes it as `made` (dtype, group) with global scale `made_gs`, and the GEMM reads
+    it as `read` with global scale `read_gs` ("made": the very same tensor as made_gs). Equal recipes
+    (one global scale) are what fused_experts writes and are fusable; a quantize with another recipe
+    than the GEMM's is not, since gate_up quantizes with the GEMM's."""
+
+    def __init__(self, made, read, made_gs=None, read_gs=None):
+        super().__init__()
+        w13, w2 = float_weights(4, 128, 64)
+        self.register_buffer("w13", w13)
+        self.register_buffer("w2", w2)
+        self.register_buffer("made_gs", made_gs)
+        self.register_buffer("read_gs", None if isinstance(read_gs, str) else read_gs)
+        self.shared_gs = read_gs == "made"
+        self.made, self.read = made, read
+
+    def forward(self, x, topk_weights, topk_ids):
+        if x.shape[1] != self.w13.shape[2]:
+            raise ValueError(f"x: expected [M, {self.w13.shape[2]}], got {tuple(x.shape)}")
+        offsets, gather_idx, inverse = routing_plan(topk_ids, 4, None)
+        none = [-1, -1]
+        q, s = quantize(x, self.made[0], self.made[1], None, self.made_gs)
+        read_gs = self.made_gs if self.shared_gs else self.read_gs
+        h = grouped_gemm(q, s, read_gs, self.read[0], self.read[1], self.w13, None, None, None, "none", none, None,
+                         offsets, gather_idx, x.dtype)  # fmt: skip
+        a = activation_op(h, "silu", 1.702, 7.0, False)
+        y = grouped_gemm(a, None, None, "none", none, self.w2, None, None, None, "none", none, None, offsets, None, x.dtype)
+        return weighted_reduce(y, topk_weights, inverse, offsets)
+
+
+class UnfusedThenFused(nn.Module):
+    """Two MoE layers, the first not fusable (SecondUser: its activation is also returned), the second
+    fusable, its input computed from the first's outputs; `fused_first` swaps their order."""
+
+    def __init__(self, fused_first: bool = False):
+        super().__init__()
+        self.fused_first = fused_first
+        self.unfusable = SecondUser()
+        self.fusable = Experts(*float_weights(4, 128, 64))
+
+    def forward(self, x, topk_weights, topk_ids):
+        if self.fused_first:
+            x = x + self.fusable(x, topk_weights, topk_ids)
+            return self.unfusable(x, topk_weights, topk_ids)
+        y, side = self.unfusable(x, topk_weights, topk_ids)
+        return self.fusable(x + y, topk_weights, topk_ids), side
 
 
 CASES = {

@@ -10,14 +10,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r'''
 import json
+import os
 
 import torch
 
-torch.manual_seed(0)
+torch.manual_seed(int(os.environ["MOE_OPS_SEED"]))  # the test's fresh seed: new draws every run
 
 import lowering
 import moe_ops
@@ -59,6 +62,7 @@ def run_script(tmp_path: Path, *pythonpath: Path) -> tuple[dict, dict]:
         TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
         TORCHINDUCTOR_FX_GRAPH_CACHE="1",
         PYTHONPATH=os.pathsep.join(str(p) for p in pythonpath),
+        MOE_OPS_SEED=str(torch.initial_seed()),  # tests/conftest.py's seed for this test
     )
     proc = subprocess.run(
         [sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120

@@ -18,6 +18,7 @@ import lowering
 import moe_ops
 from lowering.fused_ops import down_reduce, gate_up
 from moe_ops import quant as Q
+from moe_ops.quant import formats
 from moe_ops.activation import activation as activation_op
 from moe_ops.gemm import grouped_gemm
 from moe_ops.plan import routing_plan
@@ -215,6 +216,67 @@ def test_two_layers_two_fused_pairs():
     explained = lowering.explain(model, *batches[0])
     assert [r.fused for r in explained.layers] == ["gate_up + down_reduce"] * 2
     assert [r.layer for r in explained.layers] == [0, 1]
+
+
+# name -> (what moe_ops.quantize makes, what GEMM1 reads, global scales, fusable). The global scales:
+# None, "shared" (one tensor for both, as fused_experts passes it) or "other" (the GEMM's from another
+# calibration).
+HAND_QUANTIZED = {
+    "fp8_per_token": (("fp8", [1, -1]), ("fp8", [1, -1]), None, True),
+    "nvfp4_one_global_scale": (("nvfp4", [1, 16]), ("nvfp4", [1, 16]), "shared", True),
+    "fp8_per_token_read_per_tensor": (("fp8", [1, -1]), ("fp8", [-1, -1]), None, False),
+    "int8_read_as_fp8": (("int8", [1, -1]), ("fp8", [1, -1]), None, False),
+    "nvfp4_other_global_scale": (("nvfp4", [1, 16]), ("nvfp4", [1, 16]), "other", False),
+}
+
+
+@pytest.mark.parametrize("name", list(HAND_QUANTIZED))
+def test_quantize_recipe_must_match_the_first_gemms(name):
+    """gate_up quantizes x with GEMM1's recipe (a_dtype, a_group, a_global_scale). A chain whose
+    moe_ops.quantize used another recipe than the one GEMM1 reads with computes something gate_up
+    cannot: it is left unfused (and says why), and compiled equals eager either way."""
+    made, read, scales, fusable = HAND_QUANTIZED[name]
+    gs = ()
+    if scales is not None:
+        made_gs = formats.nvfp4_global_scale(torch.randn(16, 128)).reshape(1)
+        gs = (made_gs, "made" if scales == "shared" else made_gs * (1.5 + torch.rand(1)))
+    model = cases.HandQuantized(made, read, *gs)
+    batches = [inputs(128, 4, torch.float32, m) for m in TOKENS]
+    refs = eager(model, batches)
+    outs, graphs, seen = run_compiled(model, batches)
+    assert graphs == 1
+    for out, ref in zip(outs, refs):
+        assert_close_to_eager(out, ref, torch.float32)
+    _, report, targets = seen[0]
+    explained = lowering.explain(model, *inputs(128, 4, torch.float32))
+    (row,) = explained.layers
+    if fusable:
+        assert len(report.fused) == 1 and report.unfused == [] and targets.count(GATE_UP) == 1
+        assert row.fused == "gate_up + down_reduce"
+    else:
+        assert report.fused == [] and len(report.unfused) == 1 and GATE_UP not in targets
+        reason = report.unfused[0].reason
+        assert ("global scale" in reason) if scales == "other" else (f"made it as {made[0]} {made[1]}" in reason)
+        assert row.fused == "not fused" and reason in row.backend
+
+
+@pytest.mark.parametrize("fused_first", [False, True])
+def test_explain_numbers_layers_in_graph_order(fused_first):
+    """explain()'s layer numbers follow the graph, fused and unfused layers alike: with the unfusable
+    layer first, layer 0 is the one not fused."""
+    model = cases.UnfusedThenFused(fused_first)
+    batches = [inputs(128, 4, torch.float32, 9)]
+    (out,), _, seen = run_compiled(model, batches)
+    for got, want in zip(out, eager(model, batches)[0]):
+        assert_close_to_eager(got, want, torch.float32)
+    _, report, _ = seen[0]
+    assert len(report.fused) == 1 and len(report.unfused) == 1
+    explained = lowering.explain(model, *batches[0])
+    order = ["gate_up + down_reduce", "not fused"]
+    assert [r.fused for r in explained.layers] == (order if fused_first else order[::-1])
+    assert [r.layer for r in explained.layers] == [0, 1]
+    unfused = explained.layers[1 if fused_first else 0]
+    assert "another user" in unfused.backend
 
 
 # ---- install / uninstall / enabled -------------------------------------------------------------
@@ -449,6 +511,37 @@ def test_kernels_decline_an_output_dtype_other_than_the_inputs():
     assert backend._support("gate_up", backend.gate_up_recipe(_meta_gate_up_args()), interface)[0]
     ok, why = backend._support("gate_up", backend.gate_up_recipe(_meta_gate_up_args(out_dtype=torch.float32)), interface)
     assert not ok and "torch.float32" in why and "torch.bfloat16" in why
+
+
+def _meta_down_reduce_args(dtype=torch.bfloat16) -> dict:
+    """down_reduce's arguments as meta tensors of a shape the kernels serve."""
+    e, h, i, m, k = 4, 128, 128, 4, 2
+    meta = dict(device="meta")
+    return dict(
+        a=torch.empty(m * k, i, dtype=dtype, **meta), a_scale=None, a_global_scale=None, a_dtype="none", a_group=[-1, -1],
+        w=torch.empty(e, h, i, dtype=dtype, **meta), w_scale=None, w_global_scale=None, w_zero=None, w_dtype="none",
+        w_group=[-1, -1], bias=None, expert_offsets=torch.empty(e + 1, dtype=torch.int32, **meta),
+        gather_idx=torch.empty(m * k, dtype=torch.int32, **meta), topk_weights=torch.empty(m, k, **meta),
+        inverse=torch.empty(m * k, dtype=torch.int32, **meta), out_dtype=dtype, weights_early=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("op, name", [("gate_up", "expert_offsets"), ("gate_up", "gather_idx"),
+                                      ("down_reduce", "expert_offsets"), ("down_reduce", "gather_idx"),
+                                      ("down_reduce", "inverse")])  # fmt: skip
+def test_kernels_decline_int64_index_tensors(op, name):
+    """The primitive ops take int64 offsets and indices (a hand-written chain's own plan); the kernels
+    read them through int32 pointers (cute_kernels.interface._ptr has no int64), so such a recipe
+    gets the reference with its reason instead of a kernel call that fails or misreads them."""
+    from cute_kernels import interface
+    from lowering import backend
+
+    args = _meta_gate_up_args() if op == "gate_up" else _meta_down_reduce_args()
+    recipe = getattr(backend, f"{op}_recipe")
+    assert backend._support(op, recipe(args), interface)[0]
+    args[name] = args[name].to(torch.int64)
+    ok, why = backend._support(op, recipe(args), interface)
+    assert not ok and f"{name} in torch.int64" in why
 
 
 def test_reference_on_cuda_warns_once_per_reason(monkeypatch):
