@@ -197,8 +197,29 @@ def down_reduce_support(*, dtype, weight_dtype, has_bias, hidden, intermediate, 
     return (why is None), (why or "CuTe DSL grouped GEMM + deterministic weighted reduction")
 
 
+ALIGN_BYTES = 16  # _ptr declares every pointer this aligned: the kernels' TMA boxes and vector accesses need it
+
+
+def misaligned(**tensors) -> str | None:
+    """Why the kernels cannot take these tensors (the first whose address is off a 16-byte boundary,
+    named by its keyword), or None. Contiguous views can start anywhere: a row slice of [M, 2] router
+    weights, a flat buffer's tail."""
+    for name, t in tensors.items():
+        if t is not None and t.data_ptr() % ALIGN_BYTES:
+            # No address in the text: the lowering warns once per reason, and addresses change per call.
+            return f"{name}: its address is {t.data_ptr() % ALIGN_BYTES} bytes past a {ALIGN_BYTES}-byte boundary; the kernels need {ALIGN_BYTES}-byte aligned tensors"
+    return None
+
+
+def _check_aligned(**tensors) -> None:
+    # Before any launch: a misaligned TMA or vector access faults, and the fault ends the CUDA context.
+    why = misaligned(**tensors)
+    if why is not None:
+        raise ValueError(why)
+
+
 def _ptr(t: torch.Tensor):
-    return make_ptr(_CUTLASS_DTYPE[t.dtype], t.data_ptr(), AddressSpace.gmem, assumed_align=16)
+    return make_ptr(_CUTLASS_DTYPE[t.dtype], t.data_ptr(), AddressSpace.gmem, assumed_align=ALIGN_BYTES)
 
 
 def _stream(device: torch.device):
@@ -249,7 +270,7 @@ def _hint(x: torch.Tensor, gather: torch.Tensor, expert_ids: torch.Tensor | None
         raise TypeError(f"expert_ids: dtype {expert_ids.dtype}; expected torch.int32 or torch.int64 (the routing plan's topk_ids)")
     if expert_ids.numel() != gather.shape[0]:
         raise ValueError(f"expert_ids: {expert_ids.numel()} ids for {gather.shape[0]} routed pairs; expected the plan's topk_ids [M, k]")
-    if x.shape[0] != 1 or expert_ids.numel() > HINT_MAX_PAIRS or not expert_ids.is_contiguous():
+    if x.shape[0] != 1 or expert_ids.numel() > HINT_MAX_PAIRS or not expert_ids.is_contiguous() or expert_ids.data_ptr() % ALIGN_BYTES:
         return gather, 0, 1
     return expert_ids.view(torch.int32), expert_ids.numel(), expert_ids.element_size() // 4
 
@@ -275,6 +296,7 @@ def gate_up(
     tiles: (tile_m, tile_n) instead of choose_tiles' (for tile sweeps). expert_ids: the routing plan's
     topk_ids [M, k] when they are local expert ids (no expert_map), read at M = 1 as a hint only."""
     _check_experts(w)
+    _check_aligned(x=x, w=w, bias=bias, offsets=offsets, gather=gather, out=out)
     hint = _hint(x, gather, expert_ids)
     num_experts, n, hidden = w.shape
     inter = n // 2 if activation in GATED else n
@@ -303,6 +325,7 @@ def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, ti
     launched just before it on the stream (MoeGemmSm90.early_weights). Only when that kernel writes
     neither and started after both were written, as gate_up over the same plan does."""
     _check_experts(w)
+    _check_aligned(a=a, w=w, bias=bias, offsets=offsets, gather=gather, topk_weights=topk_weights, inverse=inverse, out=out)
     num_experts, hidden, inter = w.shape
     m, k = topk_weights.shape
     if out is None:

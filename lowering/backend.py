@@ -1,7 +1,9 @@
 """Which implementation runs a fused op: a CuTe DSL kernel (cute_kernels) or the reference composition.
 
 The choice depends only on the recipe (op arguments), the dtype and the device, so explain() can make
-it at compile time from the graph's fake tensors and the op makes the same one at run time. Nothing
+it at compile time from the graph's fake tensors and the op makes the same one at run time; only a
+tensor whose address is off a 16-byte boundary (a view into another buffer), which fake tensors cannot
+show, turns a call explain() reported as a kernel call into a reference one, with its warning. Nothing
 falls back silently: explain() reports the reason, a CUDA call that no kernel serves warns once per
 (op, reason) when it runs, and with `require_kernels` set (install(..., require_kernels=True) or
 MOE_OPS_REQUIRE_KERNELS=1) it raises instead.
@@ -91,7 +93,9 @@ def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
     return interface.down_reduce_support(**common)
 
 
-def _choose(op: str, recipe: dict, device: torch.device) -> Choice:
+def _choose(op: str, recipe: dict, device: torch.device, tensors: dict | None = None) -> Choice:
+    """The backend of a call with this recipe on this device. tensors: a call's real tensors by argument
+    name, whose addresses the kernels need aligned (explain() has fake ones and cannot check this)."""
     if device.type != "cuda":
         choice = Choice("reference", f"{device.type}: the CuTe DSL kernels run on CUDA GPUs (sm_90)")
     else:
@@ -101,6 +105,8 @@ def _choose(op: str, recipe: dict, device: torch.device) -> Choice:
             ok, why = interface.device_support(device)
         if ok:
             ok, why = _support(op, recipe, interface)
+        if ok and tensors and (off := interface.misaligned(**tensors)) is not None:
+            ok, why = False, off
         choice = Choice("cute", why, _KERNELS[op]) if ok else Choice("reference", why)
     if choice.kernel is None and device.type == "cuda" and REQUIRE_KERNELS["value"]:
         raise RuntimeError(f"moe_ops::{op}: no CuTe DSL kernel serves this recipe ({choice.reason}) and require_kernels is set")
@@ -147,13 +153,24 @@ def down_reduce_recipe(args: dict) -> dict:
     )  # fmt: skip
 
 
+# The tensors the kernels take by pointer, by op: their addresses decide too (interface.misaligned).
+_POINTERS = {
+    "gate_up": ("x", "w", "bias", "expert_offsets", "gather_idx"),
+    "down_reduce": ("a", "w", "bias", "expert_offsets", "gather_idx", "topk_weights", "inverse"),
+}
+
+
+def _pointers(op: str, args: dict) -> dict:
+    return {name: args[name] for name in _POINTERS[op]}
+
+
 _WARNED: set[tuple[str, str]] = set()
 
 
-def _at_run_time(op: str, recipe: dict, device: torch.device) -> Choice:
+def _at_run_time(op: str, recipe: dict, device: torch.device, tensors: dict | None = None) -> Choice:
     """_choose for a call about to run: a CUDA call that the reference serves warns, once per (op, reason).
     (explain() calls _choose itself, at compile time, and reports the reason instead.)"""
-    choice = _choose(op, recipe, device)
+    choice = _choose(op, recipe, device, tensors)
     if choice.kernel is None and device.type == "cuda" and (op, choice.reason) not in _WARNED:
         _WARNED.add((op, choice.reason))
         warnings.warn(f"moe_ops::{op} runs the reference composition on {device}: {choice.reason}", stacklevel=3)
@@ -161,8 +178,8 @@ def _at_run_time(op: str, recipe: dict, device: torch.device) -> Choice:
 
 
 def choose_gate_up(args: dict) -> Choice:
-    return _at_run_time("gate_up", gate_up_recipe(args), args["x"].device)
+    return _at_run_time("gate_up", gate_up_recipe(args), args["x"].device, _pointers("gate_up", args))
 
 
 def choose_down_reduce(args: dict) -> Choice:
-    return _at_run_time("down_reduce", down_reduce_recipe(args), args["a"].device)
+    return _at_run_time("down_reduce", down_reduce_recipe(args), args["a"].device, _pointers("down_reduce", args))

@@ -52,3 +52,36 @@ def test_kernel_ops_opcheck_and_float64(recipe, m):
                       w13_bias=config.w13_bias, w2_bias=config.w2_bias)  # fmt: skip
     err = relative_error(out.cpu(), ref)
     assert err <= tolerance(c["dtype"]), f"relative error {err} against moe_float64"
+
+
+def test_router_weights_off_a_16_byte_boundary_run_the_reference(monkeypatch):
+    """A row slice of [M, 2] float32 router weights is contiguous but can start 8 bytes past a 16-byte
+    boundary, and the kernels declare every pointer 16-byte aligned: down_reduce warns and runs the
+    reference (the same values), require_kernels raises, the kernel interface raises ValueError before
+    launching, and the CUDA context stays usable (a misaligned access would have ended it)."""
+    from cute_kernels import interface
+    from lowering import backend
+
+    gu, dr, c = build_layer("bf16", 13)
+    with lowering.enabled(require_kernels=True):
+        inter, _ = gate_up(*_cuda(gu))
+        dr = _cuda([inter, *dr[1:]])
+        aligned = down_reduce(*dr)
+    weights = dr[14]
+    shifted = torch.empty(weights.numel() + 1, device="cuda")[1:].view(weights.shape)
+    shifted.copy_(weights)
+    off = [*dr[:14], shifted, *dr[15:]]
+    monkeypatch.setattr(backend, "_WARNED", set())
+    with pytest.warns(UserWarning, match="topk_weights: its address is 4 bytes past a 16-byte boundary"):
+        out = down_reduce(*off)
+    err = relative_error(out.double().cpu(), aligned.double().cpu())
+    assert err <= tolerance(c["dtype"]), f"reference against the kernels: relative error {err}"
+    with lowering.enabled(require_kernels=True), pytest.raises(RuntimeError, match="topk_weights: its address"):
+        down_reduce(*off)
+    a, w, bias, offsets, gather, inverse = dr[0], dr[5], dr[11], dr[12], dr[13], dr[15]
+    with pytest.raises(ValueError, match="topk_weights: its address is 4 bytes"):
+        interface.down_reduce(a, w, bias, offsets, gather, shifted, inverse)
+    with lowering.enabled(require_kernels=True):
+        again = down_reduce(*dr)
+    torch.cuda.synchronize()
+    assert torch.equal(again, aligned)

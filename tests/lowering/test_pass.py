@@ -544,6 +544,58 @@ def test_kernels_decline_int64_index_tensors(op, name):
     assert not ok and f"{name} in torch.int64" in why
 
 
+def _cpu_copy(args: dict) -> dict:
+    """The meta arguments as real (CPU) tensors, every one at a fresh, 16-byte aligned address."""
+    return {k: torch.empty(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def _off_boundary(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t that starts one element past a 16-byte boundary (a view into a larger buffer)."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype)[1:]
+    return flat.view(t.shape)
+
+
+@pytest.mark.parametrize("op, name", [("gate_up", "x"), ("gate_up", "gather_idx"), ("down_reduce", "topk_weights"),
+                                      ("down_reduce", "inverse"), ("down_reduce", "a")])  # fmt: skip
+def test_kernels_decline_tensors_off_a_16_byte_boundary(monkeypatch, op, name):
+    """The kernels declare every pointer 16-byte aligned; a contiguous view that starts elsewhere (a row
+    slice of [M, 2] router weights) would fault the CUDA context. A call about to run with one gets the
+    reference with the tensor named (a warning, or require_kernels' error); the recipe alone, all
+    explain() sees, still chooses the kernel."""
+    from cute_kernels import interface
+    from lowering import backend
+
+    monkeypatch.setattr(interface, "device_support", lambda device: (True, "a Hopper GPU"))
+    monkeypatch.setattr(backend, "_WARNED", set())
+    args = _cpu_copy(_meta_gate_up_args() if op == "gate_up" else _meta_down_reduce_args())
+    recipe = getattr(backend, f"{op}_recipe")(args)
+    cuda = torch.device("cuda")
+    assert backend._choose(op, recipe, cuda, backend._pointers(op, args)).backend == "cute"
+    args[name] = _off_boundary(args[name])
+    assert args[name].data_ptr() % 16 and args[name].is_contiguous()
+    assert backend._choose(op, recipe, cuda).backend == "cute"  # explain()'s compile-time choice
+    with pytest.warns(UserWarning, match=f"{name}: its address is {args[name].element_size()} bytes past a 16-byte boundary"):
+        choice = backend._at_run_time(op, recipe, cuda, backend._pointers(op, args))
+    assert choice.backend == "reference"
+    monkeypatch.setitem(backend.REQUIRE_KERNELS, "value", True)
+    with pytest.raises(RuntimeError, match=f"{name}: its address"):
+        backend._choose(op, recipe, cuda, backend._pointers(op, args))
+
+
+def test_kernel_interface_rejects_misaligned_tensors_before_launching():
+    """cute_kernels.interface's own check, before it compiles or launches anything: a ValueError naming
+    the tensor (here on CPU tensors, which never reach a kernel)."""
+    from cute_kernels import interface
+
+    x = torch.empty(8, 128)
+    assert interface.misaligned(x=x, bias=None) is None
+    with pytest.raises(ValueError, match="topk_weights: its address is 8 bytes past a 16-byte boundary"):
+        interface.down_reduce(
+            torch.empty(8, 64), torch.empty(2, 64, 64), None, torch.zeros(3, dtype=torch.int32),
+            torch.zeros(8, dtype=torch.int32), torch.empty(5, 2)[1:], torch.zeros(8, dtype=torch.int32),
+        )  # fmt: skip
+
+
 def test_reference_on_cuda_warns_once_per_reason(monkeypatch):
     """A CUDA call that no kernel serves says so when it runs (once per op and reason); explain()'s own
     compile-time choice does not warn, and a CPU call is not a fallback."""
@@ -553,7 +605,7 @@ def test_reference_on_cuda_warns_once_per_reason(monkeypatch):
     recipe = backend.gate_up_recipe(_meta_gate_up_args())
     cuda = torch.device("cuda")
     reasons = iter(["reason A", "reason A", "reason B"])
-    monkeypatch.setattr(backend, "_choose", lambda op, recipe, device: backend.Choice("reference", next(reasons)))
+    monkeypatch.setattr(backend, "_choose", lambda op, recipe, device, tensors=None: backend.Choice("reference", next(reasons)))
     with pytest.warns(UserWarning, match="moe_ops::gate_up runs the reference composition on cuda: reason A"):
         backend._at_run_time("gate_up", recipe, cuda)
     with warnings.catch_warnings():
@@ -561,7 +613,7 @@ def test_reference_on_cuda_warns_once_per_reason(monkeypatch):
         backend._at_run_time("gate_up", recipe, cuda)  # reason A again: no second warning
     with pytest.warns(UserWarning, match="reason B"):
         backend._at_run_time("gate_up", recipe, cuda)
-    monkeypatch.setattr(backend, "_choose", lambda op, recipe, device: backend.Choice("reference", "cpu"))
+    monkeypatch.setattr(backend, "_choose", lambda op, recipe, device, tensors=None: backend.Choice("reference", "cpu"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         backend._at_run_time("gate_up", recipe, torch.device("cpu"))
