@@ -166,7 +166,7 @@ def _rows(report: PassReport, start: int) -> list[LayerRow]:
     for f in report.fused:
         gu, dr = _fake_args(f.gate_up), _fake_args(f.down_reduce)
         device = gu["x"].device
-        dtypes = f"x {_SHORT_DTYPE.get(gu['x'].dtype)}, w {_SHORT_DTYPE.get(gu['w'].dtype)}, out {_SHORT_DTYPE.get(gu['out_dtype'])}"
+        dtypes = f"x {_SHORT_DTYPE.get(gu['x'].dtype)}, w {_SHORT_DTYPE.get(gu['w'].dtype)}, out {_SHORT_DTYPE.get(dr['out_dtype'])}"
         backends = f"{_backend_text('gate_up', gu, device)}; {_backend_text('down_reduce', dr, device)}"
         rows.append((f.chain.position, "gate_up + down_reduce", _recipe_text(gu), dtypes, backends))
     for u in report.unfused:

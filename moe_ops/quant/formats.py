@@ -170,8 +170,13 @@ def quantize_int4(x: torch.Tensor, group_size: int, zero_point: bool):
 
 
 def nvfp4_global_scale(x: torch.Tensor, dims=None) -> torch.Tensor:
-    """The float32 global dequantization scale amax / (448 * 6) over dims (all by default)."""
-    amax = x.float().abs().amax(dim=dims) if x.numel() else x.new_zeros((), dtype=torch.float32)
+    """The float32 global dequantization scale amax / (448 * 6) over dims (all by default): x's shape
+    without those dims. Over an empty extent amax is taken as 0, so the scale is the smallest one."""
+    reduced = range(x.dim()) if dims is None else {d % x.dim() for d in ((dims,) if isinstance(dims, int) else dims)}
+    if x.numel():
+        amax = x.float().abs().amax(dim=tuple(reduced))
+    else:  # amax has no identity to reduce an empty extent with
+        amax = x.new_zeros([s for d, s in enumerate(x.shape) if d not in reduced], dtype=torch.float32)
     return (amax / (FP8_MAX * E2M1_MAX)).clamp(min=_TINY)
 
 

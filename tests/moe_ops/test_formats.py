@@ -219,6 +219,16 @@ def _e2m1_half_step(v):
     return torch.where(a < 2, 0.25, torch.where(a < 4, 0.5, 1.0))
 
 
+@pytest.mark.parametrize("shape, dims, want", [((3, 0, 16), (1, 2), (3,)), ((0, 4, 16), (1, 2), (0,)),
+                                                ((3, 4, 0), -1, (3, 4)), ((0, 5), None, ())])  # fmt: skip
+def test_nvfp4_global_scale_of_an_empty_extent_keeps_the_kept_dims(shape, dims, want):
+    """One scale per kept index, as for non-empty inputs (it came back 0-d for any empty x), each the
+    smallest scale since an empty group's amax is taken as 0."""
+    g = formats.nvfp4_global_scale(torch.randn(shape), dims)
+    assert g.shape == want and g.dtype == torch.float32
+    assert (g == formats.nvfp4_global_scale(torch.zeros(1))).all()
+
+
 def test_nvfp4_quantize_error_bound():
     x = torch.randn(3, 11, 64) * torch.exp(torch.randn(3, 11, 4).repeat_interleave(16, dim=-1))
     g = formats.nvfp4_global_scale(x, dims=(1, 2))
