@@ -286,9 +286,51 @@ _WEIGHT_QUANTIZERS = {
 }
 
 
-def quantize_weight(w: torch.Tensor, wq: WeightQuant) -> dict[str, torch.Tensor | None]:
-    """float [E, N, K] -> {"q": storage, "scale": ..., "global_scale": ..., "zero": ...} for wq."""
-    return {"global_scale": None, "zero": None, **_WEIGHT_QUANTIZERS[wq.dtype](w, wq)}
+_WEIGHT_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _check_float_weight(name: str, w) -> None:
+    _checks.expect_tensor(name, w)
+    _checks.expect_ndim(name, w, 3, "[E, N, K] float expert weights")
+    _checks.expect_dtype(name, w, _WEIGHT_INPUT_DTYPES)
+
+
+def _check_weight_groups(name: str, w: torch.Tensor, wq: WeightQuant) -> None:
+    """What check_weights (and so fused_experts) asks of K, asked before quantizing rather than after."""
+    k = w.shape[-1]
+    if wq.packing > 1 and k % 2:
+        raise ValueError(f"{name}: {wq.dtype} packs two values per byte; K={k} must be even, got shape {tuple(w.shape)}")
+    if wq.group.kind == "1xG" and k % wq.group.cols:
+        raise ValueError(
+            f"{name}: K={k} must be a multiple of the {wq.dtype} group size {wq.group.cols}, got shape {tuple(w.shape)}"
+        )
+
+
+@torch.no_grad()
+def quantize_weight(w: torch.Tensor, wq: WeightQuant, name: str = "w") -> dict[str, torch.Tensor | None]:
+    """float [E, N, K] -> {"q": storage, "scale": ..., "global_scale": ..., "zero": ...} for wq. Every
+    tensor comes back contiguous (whatever w's layout: a transposed checkpoint view included) and
+    without autograd history (w may be an nn.Parameter)."""
+    if not isinstance(wq, WeightQuant):
+        raise TypeError(f"wq: expected a WeightQuant, got {type(wq).__name__}")
+    _check_float_weight(name, w)
+    _check_weight_groups(name, w, wq)
+    out = {"global_scale": None, "zero": None, **_WEIGHT_QUANTIZERS[wq.dtype](w, wq)}
+    return {key: (t if t is None else t.contiguous()) for key, t in out.items()}
+
+
+def _check_calibration(calibration, hidden: int) -> None:
+    _checks.expect_tensor("calibration", calibration)
+    if calibration.dtype not in _WEIGHT_INPUT_DTYPES:
+        raise TypeError(f"calibration: dtype {calibration.dtype} is not allowed; allowed: float32, float16, bfloat16, float64")
+    if calibration.dim() < 1 or calibration.shape[-1] != hidden or calibration.numel() == 0:
+        raise ValueError(
+            f"calibration: expected sample activations [T, H] with T >= 1 and H={hidden} (w13's last dim), "
+            f"got shape {tuple(calibration.shape)}"
+        )
+    if _checks.value_checks_enabled() and _checks.has_values(calibration):
+        if not bool(torch.isfinite(calibration).all()):
+            raise ValueError("calibration: holds NaN or inf; static activation scales calibrated on it would be NaN/inf")
 
 
 def quantize_weights(
@@ -306,20 +348,38 @@ def quantize_weights(
     intermediate is estimated as 4x the input range, so pass real ones for production)."""
     if not isinstance(scheme, QuantScheme):
         raise TypeError(f"scheme: expected a QuantScheme, got {type(scheme).__name__}")
+    _check_float_weight("w13", w13)
+    _check_float_weight("w2", w2)
+    num_experts, n13, hidden = w13.shape
+    if tuple(w2.shape[:2]) != (num_experts, hidden) or n13 not in (w2.shape[2], 2 * w2.shape[2]):
+        raise ValueError(
+            f"w2: expected [E, H, I] = [{num_experts}, {hidden}, I] with w13 [E, 2I or I, H] = {list(w13.shape)}, "
+            f"got shape {tuple(w2.shape)}"
+        )
+    for bname, bias, n in (("w13_bias", w13_bias, n13), ("w2_bias", w2_bias, hidden)):
+        if bias is not None:
+            _checks.expect_tensor(bname, bias)
+            _checks.expect_shape(bname, bias, (num_experts, n), "[E, N]")
     if scheme.weight is None:
         return w13, w2, QuantConfig(scheme, w13_bias=w13_bias, w2_bias=w2_bias)
-    q13, q2 = quantize_weight(w13, scheme.weight), quantize_weight(w2, scheme.weight)
-    extra = {}
     a = scheme.activation
-    if a is not None and (a.static or a.dtype == "nvfp4"):
+    needs_calibration = a is not None and (a.static or a.dtype == "nvfp4")
+    if needs_calibration:
         if calibration is None:
             raise ValueError(f"calibration: scheme {scheme.describe()} needs sample activations for its static scales")
-        amax = calibration.float().abs().amax().clamp(min=1e-6)
-        per_tensor = {"fp8": amax / formats.FP8_MAX, "int8": amax / formats.INT8_MAX,
-                      "nvfp4": amax / (formats.FP8_MAX * formats.E2M1_MAX)}[a.dtype]  # fmt: skip
-        key = "global_scale" if a.dtype == "nvfp4" else "scale"
-        extra[f"a13_{key}"] = per_tensor.reshape(1).to(w13.device)
-        extra[f"a2_{key}"] = (4 * per_tensor).reshape(1).to(w13.device)
+        _check_calibration(calibration, hidden)
+    _check_weight_groups("w13", w13, scheme.weight)
+    _check_weight_groups("w2", w2, scheme.weight)
+    q13, q2 = quantize_weight(w13, scheme.weight, "w13"), quantize_weight(w2, scheme.weight, "w2")
+    extra = {}
+    if needs_calibration:
+        with torch.no_grad():
+            amax = calibration.float().abs().amax().clamp(min=1e-6)
+            per_tensor = {"fp8": amax / formats.FP8_MAX, "int8": amax / formats.INT8_MAX,
+                          "nvfp4": amax / (formats.FP8_MAX * formats.E2M1_MAX)}[a.dtype]  # fmt: skip
+            key = "global_scale" if a.dtype == "nvfp4" else "scale"
+            extra[f"a13_{key}"] = per_tensor.reshape(1).to(w13.device)
+            extra[f"a2_{key}"] = (4 * per_tensor).reshape(1).to(w13.device)
     config = QuantConfig(
         scheme,
         w13_scale=q13["scale"], w2_scale=q2["scale"],

@@ -153,6 +153,11 @@ def quantize_int4(x: torch.Tensor, group_size: int, zero_point: bool):
     zero point per group. Returns (packed uint8 [..., R, C/2], scale float32, zero uint8 or None)."""
     group = (1, group_size)
     rows, cols = x.shape[-2:]
+    if cols % group_size or cols % 2:
+        raise ValueError(
+            f"x: int4 needs the last dim to be even (two values per byte) and a multiple of group_size={group_size}, "
+            f"got shape {tuple(x.shape)}"
+        )
     xf = x.float()
     if zero_point:
         padded = xf.reshape(*x.shape[:-1], cols // group_size, group_size)

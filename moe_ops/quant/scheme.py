@@ -67,7 +67,14 @@ WEIGHT_FORMATS = {
 }
 
 
+def _check_flag(what: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{what}: expected a bool, got {value!r} ({type(value).__name__})")
+
+
 def _check_format(what: str, table: dict, dtype: str, group: GroupShape) -> None:
+    if not isinstance(dtype, str):
+        raise TypeError(f"{what}.dtype: expected a str, got {dtype!r} ({type(dtype).__name__}); allowed: {', '.join(map(repr, table))}")
     if dtype not in table:
         raise ValueError(f"{what}.dtype: got {dtype!r}; allowed: {', '.join(map(repr, table))}")
     if not isinstance(group, GroupShape):
@@ -91,6 +98,7 @@ class ActivationQuant:
 
     def __post_init__(self):
         _check_format("ActivationQuant", ACTIVATION_FORMATS, self.dtype, self.group)
+        _check_flag("ActivationQuant.static", self.static)
         if self.static and self.group.kind != "per-tensor":
             raise ValueError(f"ActivationQuant.static: only per-tensor scales can be static, got group {self.group}")
 
@@ -113,6 +121,7 @@ class WeightQuant:
 
     def __post_init__(self):
         _check_format("WeightQuant", WEIGHT_FORMATS, self.dtype, self.group)
+        _check_flag("WeightQuant.zero_point", self.zero_point)
         if self.zero_point and self.dtype != "int4":
             raise ValueError(f"WeightQuant.zero_point: only int4 has zero points, got dtype {self.dtype!r}")
 

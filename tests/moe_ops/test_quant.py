@@ -1,0 +1,420 @@
+"""moe_ops.quant outside the fp4 encodings: fp8/int8/int4 quantizers and scale conventions
+against float64 re-computations on fresh random inputs, the moe_ops::quantize op's fp8/int8 paths
+(values, fake impl, no host syncs), quantize_weights (layouts, autograd, group divisibility, argument
+and calibration checks) and the validation of the tensor-free dataclasses."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import moe_ops
+from moe_ops import quant
+from moe_ops.quant import (
+    PER_CHANNEL,
+    PER_TENSOR,
+    PER_TOKEN,
+    ActivationQuant,
+    GroupShape,
+    QuantScheme,
+    WeightQuant,
+    formats,
+    quantize_weights,
+)
+from moe_ops.quant.quantize import quantize
+
+from ..decoders import decode_e4m3, decode_weight
+
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _x(m, k, dtype=torch.float32):
+    """Random activations with per-row magnitudes spread over a few octaves; never all zero."""
+    return (torch.randn(m, k) * torch.exp(torch.randn(m, 1))).to(dtype)
+
+
+def _group_amax64(x: torch.Tensor, group) -> torch.Tensor:
+    """float64 [..., cdiv(R, gr), cdiv(C, gc)] by slicing, -1 = whole dimension (one group)."""
+    *lead, rows, cols = x.shape
+    gr = rows if group[0] == -1 else group[0]
+    gc = cols if group[1] == -1 else group[1]
+    nr = 1 if group[0] == -1 else -(-rows // gr)
+    nc = 1 if group[1] == -1 else -(-cols // gc)
+    out = torch.zeros(*lead, nr, nc, dtype=torch.float64)
+    xd = x.double().abs()
+    for i in range(nr):
+        for j in range(nc):
+            blk = xd[..., i * gr : (i + 1) * gr, j * gc : (j + 1) * gc]
+            if blk.numel():
+                out[..., i, j] = blk.amax(dim=(-2, -1))
+    return out
+
+
+def _expand64(scale, group, rows, cols):
+    gr = rows if group[0] == -1 else group[0]
+    gc = cols if group[1] == -1 else group[1]
+    return scale.double().repeat_interleave(gr, dim=-2)[..., :rows, :].repeat_interleave(gc, dim=-1)[..., :cols]
+
+
+# ---- moe_ops::quantize, fp8 and int8: values against float64 ------------------------------------
+
+ACT_CASES = [
+    ("fp8", [-1, -1], False),
+    ("fp8", [-1, -1], True),
+    ("fp8", [1, -1], False),
+    ("fp8", [1, 128], False),
+    ("fp8", [1, 64], False),
+    ("int8", [1, -1], False),
+    ("int8", [-1, -1], True),
+    ("int8", [-1, -1], False),
+]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fmt,group,static", ACT_CASES)
+def test_activation_quantize_matches_float64(fmt, group, static, dtype):
+    """Scales amax / 448 (fp8) or amax / 127 (int8) per group, [1, 1] / [M, 1] / [M, cdiv(K, g)] (a
+    partial last group included); codes are x / scale rounded to nearest even, saturated."""
+    m, k = int(torch.randint(1, 9, ())), 300
+    x = _x(m, k, dtype)
+    qmax = 448.0 if fmt == "fp8" else 127.0
+    static_scale = (x.double().abs().amax() / qmax * (0.5 + torch.rand(()))).float().reshape(1) if static else None
+    q, s = quantize(x, fmt, group, static_scale, None)
+    assert q.dtype == (torch.float8_e4m3fn if fmt == "fp8" else torch.int8) and q.shape == (m, k)
+    want_shape = formats.scale_shape(tuple(group), m, k)
+    assert s.dtype == torch.float32 and tuple(s.shape) == want_shape and s.is_contiguous()
+    if static:
+        ref_scale = static_scale.double().reshape(1, 1)
+        assert torch.equal(s.double(), ref_scale)
+    else:
+        ref_scale = _group_amax64(x, group) / qmax
+        assert torch.allclose(s.double(), ref_scale, rtol=1e-6, atol=0)
+    v = x.double() / _expand64(s, group, m, k).expand(m, k)  # with the scale the op actually used
+    if fmt == "fp8":
+        ref = v.clamp(-448, 448).to(torch.float8_e4m3fn).double()  # float64 -> e4m3, round to nearest even
+        got = decode_e4m3(q)
+        assert torch.equal(got, ref)
+    else:
+        ref = torch.round(v).clamp(-127, 127)
+        tie = ((v - v.floor()) - 0.5).abs() < 1e-5  # float32 division may land a near-tie on either side
+        assert ((q.double() == ref) | tie).all()
+        assert q.min() >= -127  # symmetric: -128 never used
+    if not static:
+        assert q.double().abs().max() == qmax  # the group max maps to the top code
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_activation_quantize_rounds_half_to_even_and_saturates(fmt):
+    """With a static scale of 1: int8 ties go to the even integer; +-inf and out-of-range values
+    saturate to the largest code (not NaN, not wrap-around); fp8 keeps NaN."""
+    ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5])
+    big = torch.tensor([1e6, -1e6, float("inf"), -float("inf")])
+    x = torch.cat((ties, big, torch.randn(5))).reshape(1, -1)
+    q, _ = quantize(x, fmt, [-1, -1], torch.ones(1), None)
+    if fmt == "int8":
+        assert q[0, :7].tolist() == [0, 2, 2, 0, -2, -2, 126]
+        assert q[0, 7:11].tolist() == [127, -127, 127, -127]
+    else:
+        assert decode_e4m3(q)[0, 7:11].tolist() == [448.0, -448.0, 448.0, -448.0]
+        xn = x.clone()
+        xn[0, 0] = float("nan")
+        qn, _ = quantize(xn, fmt, [-1, -1], torch.ones(1), None)
+        assert decode_e4m3(qn)[0, 0].isnan() and decode_e4m3(qn)[0, 1:].isfinite().all()
+
+
+@pytest.mark.parametrize("fmt,group", [("fp8", [-1, -1]), ("fp8", [1, -1]), ("fp8", [1, 128]), ("int8", [1, -1])])
+def test_all_zero_group_gets_a_positive_floor_scale(fmt, group):
+    """An all-zero group (a zero token, a zero 1x128 slice) gets a small positive scale, codes 0 and
+    dequantizes to exact zeros, never NaN (0/0); other groups keep amax / max."""
+    x = _x(4, 256)
+    x[1] = 0.0
+    if group == [-1, -1]:
+        x.zero_()
+    q, s = quantize(x, fmt, group, None, None)
+    assert (s > 0).all() and s.isfinite().all()
+    deq = formats.dequantize(q, fmt, tuple(group), s)
+    assert deq.isfinite().all() and (deq[1] == 0).all()
+
+
+@pytest.mark.parametrize("fmt,group,static", ACT_CASES)
+@pytest.mark.parametrize("m,k", [(0, 300), (0, 0), (3, 0), (1, 1), (5, 100)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_quantize_fake_matches_real(fmt, group, static, m, k, layout):
+    """Fake impl vs real: shape, dtype and strides of q and scale, also for empty inputs, K smaller
+    than the group and a column-major x."""
+    x = _x(k, m).t() if layout == "transposed" else _x(m, k)
+    scale = (torch.rand(1) * 0.02 + 0.005) if static else None
+    real = quantize(x, fmt, group, scale, None)
+    with FakeTensorMode() as mode:
+        fake = quantize(mode.from_tensor(x), fmt, group, None if scale is None else mode.from_tensor(scale), None)
+    for r, f in zip(real, fake):
+        assert (tuple(f.shape), f.dtype, f.stride()) == (tuple(r.shape), r.dtype, r.stride())
+
+
+@pytest.mark.parametrize("fmt,group,static", [c for c in ACT_CASES if c[1] != [1, 64]])
+def test_quantize_opcheck(fmt, group, static):
+    x = _x(5, 256, torch.bfloat16)
+    scale = (torch.rand(1) * 0.02 + 0.005) if static else None
+    # opcheck's test_schema compares with allclose, which has no float8 kernel on the CPU
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(quantize, (x, fmt, group, scale, None), test_utils=utils)
+
+
+@pytest.mark.parametrize("fmt,group,static", ACT_CASES)
+def test_quantize_real_impl_has_no_host_sync(fmt, group, static):
+    """The real impl runs on meta tensors (which have no values): any .item()/.tolist()/nonzero/
+    data-dependent branch would raise."""
+    x = torch.empty(5, 300, device="meta", dtype=torch.bfloat16)
+    scale = torch.empty(1, device="meta") if static else None
+    q, s = quantize(x, fmt, group, scale, None)
+    assert q.shape == (5, 300) and tuple(s.shape) == formats.scale_shape(tuple(group), 5, 300)
+
+
+# ---- weight quantizers ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,k", [(200, 300), (256, 128), (100, 64)])
+def test_fp8_block_weight_scales_are_ceil_blocks(n, k):
+    """128x128 blocks over [E, N, K]: scales [E, ceil(N/128), ceil(K/128)], partial edge blocks
+    scaled by their own amax / 448."""
+    w = torch.randn(2, n, k) * torch.exp(torch.randn(2, 1, 1))
+    q, s = formats.quantize_fp8(w, (128, 128))
+    assert s.shape == (2, -(-n // 128), -(-k // 128))
+    assert torch.allclose(s.double(), _group_amax64(w, (128, 128)) / 448, rtol=1e-6, atol=0)
+    v = w.double() / _expand64(s, (128, 128), n, k)
+    assert torch.equal(decode_e4m3(q), v.clamp(-448, 448).to(torch.float8_e4m3fn).double())
+
+
+@pytest.mark.parametrize("zero_point", [False, True])
+def test_int4_codes_match_float64(zero_point):
+    """Symmetric: scale amax / 7, zero 8 (values -8..7, |q| <= 7 used). Asymmetric: range [min, max]
+    widened to hold 0, scale (max - min) / 15, zero round(-min / scale) in 0..15, codes 0..15."""
+    g = 32
+    w = torch.randn(2, 5, 4 * g) + (0.6 if zero_point else 0.0)
+    packed, scale, zero = formats.quantize_int4(w, g, zero_point)
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).double().view(2, 5, 4, g)
+    grp = w.double().view(2, 5, 4, g)
+    if zero_point:
+        lo, hi = grp.amin(-1).clamp(max=0), grp.amax(-1).clamp(min=0)
+        s_ref = (hi - lo) / 15
+        assert torch.allclose(scale.double(), s_ref, rtol=1e-6, atol=0)
+        assert torch.equal(zero.double(), torch.round(-lo / scale.double()).clamp(0, 15))
+        z = zero.double()
+    else:
+        assert zero is None
+        assert torch.allclose(scale.double(), grp.abs().amax(-1) / 7, rtol=1e-6, atol=0)
+        z = torch.full_like(scale.double(), 8.0)
+    v = grp / scale.double()[..., None] + z[..., None]
+    ref = torch.round(v).clamp(0, 15)
+    tie = ((v - v.floor()) - 0.5).abs() < 1e-5
+    assert ((codes == ref) | tie).all()
+    deq = decode_weight(packed, WeightQuant("int4", GroupShape(1, g), zero_point), scale, None, zero)
+    assert ((deq - w.double()).abs() <= _expand64(scale, (1, g), 5, 4 * g) * (0.5 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 48), (2, 4, 33)])
+@pytest.mark.parametrize("zero_point", [False, True])
+def test_quantize_int4_rejects_k_off_the_group(shape, zero_point):
+    """K not a multiple of the group size (or odd) is a ValueError naming the shape; it was a
+    RuntimeError from reshape (zero points) or a broadcast error from nibble packing (odd K), or
+    silently padded scales that fused_experts then rejected."""
+    with pytest.raises(ValueError, match=r"x: int4 needs .* group_size=32, got shape"):
+        formats.quantize_int4(torch.randn(shape), 32, zero_point)
+
+
+# ---- quantize_weights ----------------------------------------------------------------------------
+
+E, H, I = 3, 256, 128
+
+WEIGHT_SCHEMES = {
+    "fp8_per_tensor_static": QuantScheme(ActivationQuant("fp8", PER_TENSOR, static=True), WeightQuant("fp8", PER_TENSOR)),
+    "fp8_per_token": QuantScheme(ActivationQuant("fp8", PER_TOKEN), WeightQuant("fp8", PER_CHANNEL)),
+    "fp8_block": QuantScheme(ActivationQuant("fp8", GroupShape(1, 128)), WeightQuant("fp8", GroupShape(128, 128))),
+    "int8_w8a8_static": QuantScheme(ActivationQuant("int8", PER_TENSOR, static=True), WeightQuant("int8", PER_CHANNEL)),
+    "int8_w8a16_g64": QuantScheme(None, WeightQuant("int8", GroupShape(1, 64))),
+    "int4": QuantScheme(None, WeightQuant("int4", GroupShape(1, 32))),
+    "int4_zero_point": QuantScheme(None, WeightQuant("int4", GroupShape(1, 32), zero_point=True)),
+}
+
+
+def _weights(gated=True):
+    w13 = torch.randn(E, (2 if gated else 1) * I, H) / H**0.5
+    w2 = torch.randn(E, H, I) / I**0.5
+    return w13, w2
+
+
+@pytest.mark.parametrize("name", list(WEIGHT_SCHEMES))
+def test_quantize_weights_shapes_dtypes_and_orientation(name):
+    """Every returned tensor: w13 [E, 2I, H/p], w2 [E, H, I/p]; scales [E, cdiv(N, gr), cdiv(K, gc)]
+    with N the output rows and K the reduction dim of each GEMM (w2's groups run along I); static
+    activation scales [1] float32, amax / max over the calibration (x4 for the second GEMM)."""
+    scheme = WEIGHT_SCHEMES[name]
+    w13, w2 = _weights()
+    cal = _x(16, H)
+    q13, q2, cfg = quantize_weights(scheme, w13.to(torch.bfloat16), w2.to(torch.bfloat16), calibration=cal)
+    wq = scheme.weight
+    p = wq.packing
+    assert q13.dtype == q2.dtype == wq.storage
+    assert q13.shape == (E, 2 * I, H // p) and q2.shape == (E, H, I // p)
+    group = wq.group.astuple()
+    assert cfg.w13_scale.shape == (E, *formats.scale_shape(group, 2 * I, H))
+    assert cfg.w2_scale.shape == (E, *formats.scale_shape(group, H, I))
+    assert cfg.w13_scale.dtype == cfg.w2_scale.dtype == torch.float32
+    if wq.zero_point:
+        assert cfg.w13_zero.shape == cfg.w13_scale.shape and cfg.w13_zero.dtype == torch.uint8
+        assert cfg.w2_zero.shape == cfg.w2_scale.shape and cfg.w2_zero.dtype == torch.uint8
+    else:
+        assert cfg.w13_zero is None and cfg.w2_zero is None
+    if scheme.activation is not None and scheme.activation.static:
+        qmax = 448.0 if scheme.activation.dtype == "fp8" else 127.0
+        amax = cal.double().abs().amax()
+        assert cfg.a13_scale.shape == (1,) and cfg.a13_scale.dtype == torch.float32
+        assert torch.allclose(cfg.a13_scale.double(), amax / qmax, rtol=1e-6)
+        assert torch.allclose(cfg.a2_scale.double(), 4 * amax / qmax, rtol=1e-6)
+    else:
+        assert cfg.a13_scale is None and cfg.a2_scale is None
+    cfg.check_weights(q13, q2, H, I, 2 * I)
+    # the decoded weights are within half a step of the input, scale by scale
+    for q, w, s, z in ((q13, w13, cfg.w13_scale, cfg.w13_zero), (q2, w2, cfg.w2_scale, cfg.w2_zero)):
+        d = decode_weight(q, wq, s, None, z)
+        w = w.to(torch.bfloat16).double()
+        step = _expand64(s, group, *w.shape[1:])
+        bound = step * 0.5 if wq.dtype != "fp8" else torch.maximum(w.abs() * 2.0**-4, step * 2.0**-10)
+        assert ((d - w).abs() <= bound * (1 + 1e-5) + 1e-12).all()
+
+
+@pytest.mark.parametrize("name", list(WEIGHT_SCHEMES))
+def test_quantize_weights_of_column_major_weights_are_contiguous(name):
+    """Transposed checkpoints are read as column-major views (README); quantizing them returned
+    non-contiguous storage (strides (65536, 1, 256)) that fused_experts then rejected ("quantized
+    weights must be contiguous"). Now contiguous, with the same values as from a contiguous copy."""
+    scheme = WEIGHT_SCHEMES[name]
+    w13, w2 = _weights()
+    w13_cm, w2_cm = w13.transpose(1, 2).contiguous().transpose(1, 2), w2.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not w13_cm.is_contiguous()
+    cal = _x(16, H)
+    q13, q2, cfg = quantize_weights(scheme, w13_cm, w2_cm, calibration=cal)
+    r13, r2, ref = quantize_weights(scheme, w13, w2, calibration=cal)
+    for t in (q13, q2, *(v for v in cfg.tensors().values() if v is not None)):
+        assert t.is_contiguous()
+    as_bytes = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
+    assert torch.equal(as_bytes(q13), as_bytes(r13)) and torch.equal(as_bytes(q2), as_bytes(r2))
+    assert torch.equal(cfg.w13_scale, ref.w13_scale) and torch.equal(cfg.w2_scale, ref.w2_scale)
+    x = _x(4, H)
+    tw, ti = moe_ops.route(torch.randn(4, E), 2)
+    out = moe_ops.fused_experts(x, q13, q2, tw, ti, quant_config=cfg)
+    assert torch.equal(out, moe_ops.fused_experts(x, r13, r2, tw, ti, quant_config=ref))
+
+
+@pytest.mark.parametrize("name", ["fp8_per_tensor_static", "int4_zero_point", "int8_w8a16_g64"])
+def test_quantize_weights_of_parameters_carry_no_autograd_history(name):
+    """Model weights are nn.Parameters (requires_grad=True): the quantized weights, scales and
+    calibrated activation scales came back with grad_fn, holding the float weights alive through
+    the graph and making the layer's output require grad. Now plain tensors."""
+    w13, w2 = (torch.nn.Parameter(w) for w in _weights())
+    cal = _x(8, H).requires_grad_()
+    q13, q2, cfg = quantize_weights(WEIGHT_SCHEMES[name], w13, w2, calibration=cal)
+    for t in (q13, q2, *(v for v in cfg.tensors().values() if v is not None)):
+        assert not t.requires_grad and t.grad_fn is None
+    tw, ti = moe_ops.route(torch.randn(3, E), 2)
+    assert not moe_ops.fused_experts(_x(3, H), q13, q2, tw, ti, quant_config=cfg).requires_grad
+
+
+@pytest.mark.parametrize(
+    "wq,k13",
+    [(WeightQuant("int4", GroupShape(1, 32), zero_point=True), 48), (WeightQuant("int4", GroupShape(1, 32)), 48),
+     (WeightQuant("int4", GroupShape(1, 32)), 33), (WeightQuant("int8", GroupShape(1, 32)), 48)],
+)  # fmt: skip
+def test_quantize_weights_rejects_k_off_the_group(wq, k13):
+    """A 1xG weight format needs K to be a multiple of G (and even when packed), as check_weights and
+    fused_experts require: quantize_weights raised a RuntimeError from reshape, or returned padded
+    scales [E, N, cdiv(K, G)] that fused_experts then rejected. Now a ValueError up front naming the
+    weight, K and the group size."""
+    scheme = QuantScheme(None, wq)
+    w13, w2 = torch.randn(2, 64, k13), torch.randn(2, k13, 32)
+    with pytest.raises(ValueError, match=rf"w13: (K={k13} must be a multiple of the {wq.dtype} group size 32|.*K={k13} must be even)"):
+        quantize_weights(scheme, w13, w2)
+    w13, w2 = torch.randn(2, 2 * k13, 64), torch.randn(2, 64, k13)  # now the second GEMM's K (= I) is off
+    with pytest.raises(ValueError, match=rf"w2: (K={k13} must be a multiple|.*K={k13} must be even)"):
+        quantize_weights(scheme, w13, w2)
+
+
+FP8_STATIC = WEIGHT_SCHEMES["fp8_per_tensor_static"]
+FP8_TOKEN = WEIGHT_SCHEMES["fp8_per_token"]
+
+BAD_QUANTIZE_WEIGHTS = {
+    "w13_2d": (FP8_TOKEN, lambda w13, w2: (w13[0], w2), {}, ValueError, r"w13: expected 3-D \[E, N, K\]"),
+    "w2_not_tensor": (FP8_TOKEN, lambda w13, w2: (w13, w2.tolist()), {}, TypeError, r"w2: expected a torch.Tensor, got list"),
+    "w13_int8_codes": (FP8_TOKEN, lambda w13, w2: (w13.to(torch.int8), w2), {}, TypeError,
+                       r"w13: dtype torch.int8 is not allowed"),
+    "w13_already_fp8": (FP8_TOKEN, lambda w13, w2: (w13.to(torch.float8_e4m3fn), w2), {}, TypeError,
+                        r"w13: dtype torch.float8_e4m3fn is not allowed"),
+    "experts_mismatch": (FP8_TOKEN, lambda w13, w2: (w13, w2[:2]), {}, ValueError, r"w2: expected \[E, H, I\] = \[3, 256, I\]"),
+    "hidden_mismatch": (FP8_TOKEN, lambda w13, w2: (w13, w2[:, :200]), {}, ValueError, r"w2: expected \[E, H, I\]"),
+    "intermediate_mismatch": (FP8_TOKEN, lambda w13, w2: (w13, w2[..., :100]), {}, ValueError, r"w2: expected \[E, H, I\]"),
+    "bias_shape": (FP8_TOKEN, lambda w13, w2: (w13, w2), dict(w2_bias=torch.zeros(E, H + 1)), ValueError,
+                   r"w2_bias: expected shape \(3, 256\)"),
+    "calibration_empty": (FP8_STATIC, lambda w13, w2: (w13, w2), dict(calibration=torch.randn(0, H)), ValueError,
+                          r"calibration: expected sample activations \[T, H\] with T >= 1 and H=256"),
+    "calibration_width": (FP8_STATIC, lambda w13, w2: (w13, w2), dict(calibration=torch.randn(8, H // 2)), ValueError,
+                          r"calibration: .* got shape \(8, 128\)"),
+    "calibration_list": (FP8_STATIC, lambda w13, w2: (w13, w2), dict(calibration=[[1.0] * H]), TypeError,
+                         r"calibration: expected a torch.Tensor, got list"),
+    "calibration_int": (FP8_STATIC, lambda w13, w2: (w13, w2), dict(calibration=torch.ones(4, H, dtype=torch.int64)),
+                        TypeError, r"calibration: dtype torch.int64 is not allowed"),
+    "calibration_nan": (FP8_STATIC, lambda w13, w2: (w13, w2), dict(calibration=torch.full((4, H), float("nan"))),
+                        ValueError, r"calibration: holds NaN or inf"),
+    "calibration_inf": (WEIGHT_SCHEMES["int8_w8a8_static"], lambda w13, w2: (w13, w2),
+                        dict(calibration=torch.randn(4, H).index_fill_(1, torch.tensor([7]), float("inf"))),
+                        ValueError, r"calibration: holds NaN or inf"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_QUANTIZE_WEIGHTS))
+def test_quantize_weights_rejects(case):
+    """Each of these used to be accepted (a 2-D weight, int8 codes or fp8 storage re-quantized as if
+    they were floats, mismatched E/H/I, a calibration of the wrong width or with NaN/inf giving NaN
+    scales) or to fail with another error (an empty calibration: amax's RuntimeError; a list:
+    AttributeError)."""
+    scheme, edit, kw, exc, match = BAD_QUANTIZE_WEIGHTS[case]
+    w13, w2 = edit(*_weights())
+    with pytest.raises(exc, match=match):
+        quantize_weights(scheme, w13, w2, **kw)
+
+
+def test_quantize_weights_accepts_meta_calibration_and_ungated_w13():
+    """Positive controls: the meta-device init path (no values to check) and w13 [E, I, H]."""
+    w13, w2 = _weights(gated=False)
+    q13, q2, cfg = quantize_weights(FP8_STATIC, w13.to("meta"), w2.to("meta"), calibration=torch.randn(4, H, device="meta"))
+    assert q13.shape == (E, I, H) and cfg.a13_scale.device.type == "meta"
+    q13, q2, cfg = quantize_weights(FP8_STATIC, w13, w2, calibration=_x(4, H))
+    cfg.check_weights(q13, q2, H, I, I)
+
+
+# ---- the tensor-free dataclasses ------------------------------------------------------------------
+
+BAD_DATACLASSES = {
+    "static_str": (lambda: ActivationQuant("fp8", PER_TENSOR, static="False"), TypeError,
+                   r"ActivationQuant.static: expected a bool, got 'False'"),
+    "static_int": (lambda: ActivationQuant("int8", PER_TENSOR, static=1), TypeError, r"ActivationQuant.static: expected a bool, got 1"),
+    "zero_point_str": (lambda: WeightQuant("int4", GroupShape(1, 32), zero_point="yes"), TypeError,
+                       r"WeightQuant.zero_point: expected a bool, got 'yes'"),
+    "dtype_list": (lambda: WeightQuant(["fp8"], PER_CHANNEL), TypeError, r"WeightQuant.dtype: expected a str, got \['fp8'\]"),
+    "dtype_torch": (lambda: ActivationQuant(torch.float8_e4m3fn, PER_TOKEN), TypeError,
+                    r"ActivationQuant.dtype: expected a str, got torch.float8_e4m3fn .*allowed: 'fp8'"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_DATACLASSES))
+def test_quant_dataclasses_validate_field_types(case):
+    """static="False" made a static scheme and zero_point="yes" an asymmetric one (truthy strings);
+    an unhashable dtype raised "unhashable type: 'list'" without naming the field."""
+    build, exc, match = BAD_DATACLASSES[case]
+    with pytest.raises(exc, match=match):
+        build()
+
+
+def test_quant_dataclasses_accept_bools():
+    assert ActivationQuant("fp8", PER_TENSOR, static=True).static is True
+    assert WeightQuant("int4", GroupShape(1, 32), zero_point=False).zero_point is False
+    assert quant.int4_w4a16(torch.ones(E, 2 * I, H // 32), torch.ones(E, H, I // 32)).scheme.weight.zero_point is False
