@@ -3,7 +3,8 @@
 Methods (chosen by the arguments of `route`):
 - softmax, renormalize=False: softmax over all experts, then the k largest probabilities (Mixtral-style
   without renormalization).
-- softmax, renormalize=True: the k largest probabilities renormalized to sum to 1 (Mixtral, Qwen3-MoE).
+- softmax, renormalize=True: the k largest probabilities renormalized to sum to 1 (Mixtral, Qwen3-MoE;
+  also gpt-oss, whose softmax over the k largest logits is the same).
 - sigmoid: sigmoid scores, the k largest; renormalized if asked (Llama4's top-1 uses renormalize=False).
 - grouped top-k (num_expert_group set): experts split into groups; groups ranked by the sum of their top-2
   selection scores when a correction bias is given (DeepSeek-V3) and by their best score otherwise
@@ -11,8 +12,16 @@ Methods (chosen by the arguments of `route`):
   only steers selection: weights come from the unbiased scores.
 Every method finally multiplies the weights by routed_scaling_factor.
 
+Each row's ids come best first (by selection score), and an exact tie goes to the lower expert id, as in
+vLLM's routing kernels, on every device: ties are common with bf16 logits (with E = 128, k = 8 and logits
+of standard deviation 2, about 6% of tokens have one at the k-th place).
+
 NaN logits never crash routing: they rank below every number, the ids stay in [0, E), and the weights
-of a row with NaN logits are NaN (the routing is undefined there, and the output says so).
+of a row with NaN logits are NaN (the routing is undefined there, and the output says so). So are the
+weights of a softmax row with a +inf logit or with only -inf logits, where softmax is undefined (as in
+torch.softmax, hence in the models' own routing); sigmoid scores take their limits 1 and 0 at +-inf,
+and renormalizing k zero sigmoid scores (logits of -inf, or below about -104 in float32) gives NaN, as in
+vLLM's grouped_topk.
 """
 from __future__ import annotations
 
@@ -28,28 +37,36 @@ SCORING = {
 }
 
 
-def _select(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores per row; NaN ranks last."""
-    return torch.nan_to_num(scores, nan=float("-inf")).topk(k, dim=-1).indices
+def _rank(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [..., n] -> int64 [..., k]: positions of the k largest scores, best first; an exact tie goes
+    to the lower position and NaN ranks below every number (-inf included)."""
+    # A stable sort rather than topk: topk breaks ties in no stated order, differently per device and
+    # size (on the CPU, 8 equal scores give position 6 first), so equal bf16 logits would pick an expert
+    # other than the model's kernels do (lower id wins) and differ between CPU and GPU.
+    keys = torch.nan_to_num(scores, nan=float("-inf"))
+    return keys.sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-def _group_mask(
-    selection: torch.Tensor, num_groups: int, topk_group: int, by_top2_sum: bool
-) -> torch.Tensor:
+# How a group of experts is scored for the group ranking, by whether a correction bias is given:
+# DeepSeek-V3 sums the group's two best selection scores, DeepSeek-V2 takes its best one.
+GROUP_SCORE = {
+    True: lambda grouped: grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1),
+    False: lambda grouped: grouped.amax(dim=-1),
+}
+
+
+def _group_mask(selection: torch.Tensor, num_groups: int, topk_group: int, with_bias: bool) -> torch.Tensor:
+    """selection [M, E] -> bool [M, E]: True for the experts of each row's topk_group best groups (E split
+    into num_groups consecutive groups of E / num_groups)."""
     m, e = selection.shape
     grouped = torch.nan_to_num(selection, nan=float("-inf")).view(m, num_groups, e // num_groups)
-    if by_top2_sum:
-        group_score = grouped.topk(min(2, e // num_groups), dim=-1).values.sum(dim=-1)
-    else:
-        group_score = grouped.amax(dim=-1)
-    keep = group_score.topk(topk_group, dim=-1).indices
+    keep = _rank(GROUP_SCORE[with_bias](grouped), topk_group)
     mask = torch.zeros(m, num_groups, dtype=torch.bool, device=selection.device)
     mask.scatter_(1, keep, True)
     return mask.repeat_interleave(e // num_groups, dim=1)
 
 
-@torch.library.custom_op("moe_ops::route", mutates_args=())
-def route_op(
+def _route(
     router_logits: torch.Tensor,
     top_k: int,
     scoring: str,
@@ -59,7 +76,9 @@ def route_op(
     e_score_correction_bias: torch.Tensor | None,
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference routing on any device. num_expert_group == 0 means no grouping."""
+    """Reference routing on any device (the body of moe_ops::route; `route` checks the arguments):
+    router_logits [M, E] -> (topk_weights float32 [M, top_k], topk_ids int32 [M, top_k]), both contiguous.
+    num_expert_group == 0 means no grouping. No host synchronisation: it only queues tensor ops."""
     scores = SCORING[scoring](router_logits.float())
     selection = scores
     if e_score_correction_bias is not None:
@@ -67,7 +86,7 @@ def route_op(
     if num_expert_group > 0:
         mask = _group_mask(selection, num_expert_group, topk_group, e_score_correction_bias is not None)
         selection = selection.masked_fill(~mask, float("-inf"))
-    ids = _select(selection, top_k)
+    ids = _rank(selection, top_k)
     weights = scores.gather(1, ids)
     # A row with a NaN logit has no defined routing: say so in its weights, whatever was picked
     # (sigmoid scores of the other experts would otherwise look valid). masked_fill keeps the strides.
@@ -76,11 +95,17 @@ def route_op(
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if routed_scaling_factor != 1.0:
         weights = weights * routed_scaling_factor
-    return weights.contiguous(), ids.to(torch.int32).contiguous()
+    # ids is a column slice of the sorted [M, E] order: with M <= 1 it counts as contiguous yet keeps the
+    # stride E, so allocate the output's own contiguous strides (those of the fake impl).
+    return weights.contiguous(), ids.to(torch.int32, memory_format=torch.contiguous_format)
+
+
+route_op = torch.library.custom_op("moe_ops::route", _route, mutates_args=())
 
 
 @route_op.register_fake
 def _route_fake(router_logits, top_k, scoring, renormalize, num_expert_group, topk_group, bias, scale):
+    """Contiguous float32 and int32 [M, top_k], as _route returns."""
     m = router_logits.shape[0]
     return (
         router_logits.new_empty((m, top_k), dtype=torch.float32),
@@ -112,6 +137,9 @@ def route(
     num_experts = router_logits.shape[1]
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k: got {top_k!r}; allowed: an int in [1, E={num_experts}]")
+    if not isinstance(renormalize, bool):
+        # The op's schema takes a bool: None would silently mean False, anything else a RuntimeError.
+        raise TypeError(f"renormalize: expected a bool, got {type(renormalize).__name__} {renormalize!r}")
     if (num_expert_group is None) != (topk_group is None):
         raise ValueError(
             f"num_expert_group and topk_group: got {num_expert_group!r} and {topk_group!r}; "
@@ -131,10 +159,11 @@ def route(
             )
         if not 1 <= topk_group <= num_expert_group:
             raise ValueError(f"topk_group: got {topk_group}; allowed: 1 to num_expert_group={num_expert_group}")
-        if top_k > topk_group * (num_experts // num_expert_group):
+        kept_experts = topk_group * (num_experts // num_expert_group)
+        if top_k > kept_experts:
             raise ValueError(
-                f"top_k: got {top_k}; the {topk_group} kept groups hold only "
-                f"{topk_group * (num_experts // num_expert_group)} experts"
+                f"top_k: got {top_k}; the {topk_group} kept groups hold only {kept_experts} experts; "
+                f"allowed: at most topk_group * E / num_expert_group = {kept_experts}"
             )
     if e_score_correction_bias is not None:
         _checks.expect_tensor("e_score_correction_bias", e_score_correction_bias)

@@ -1,0 +1,278 @@
+"""moe_ops.route against each model's own routing, recomputed here in float64 the way the model's code
+(transformers, vLLM) writes it, on fresh random logits in float32/bf16/fp16 and in three layouts; exact
+ties (lower expert id wins), infinite logits, the renormalize check, the fake impl on non-contiguous
+inputs, and no host synchronisation in the op's body."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import moe_ops
+from moe_ops import routing
+from moe_ops.routing import route_op
+
+# Elementwise relative tolerance of float32 routing weights against float64, as in test_numerics.
+ROUTE_RTOL = 1e-6
+
+
+def _top(values, k, among=None):
+    """Positions of the k largest of `values` (floats) among `among`, best first; an exact tie goes to
+    the lower position (vLLM's routing kernels)."""
+    among = range(len(values)) if among is None else among
+    return sorted(among, key=lambda i: (-values[i], i))[:k]
+
+
+def _softmax(row):
+    top = max(row)
+    ex = [math.exp(v - top) for v in row]
+    return [v / sum(ex) for v in ex]
+
+
+def _sigmoid(row):
+    return [1.0 / (1.0 + math.exp(-v)) for v in row]
+
+
+def _normalized(w):
+    return [v / sum(w) for v in w]
+
+
+def mixtral(row, k, bias, cfg):
+    """Mixtral / Qwen3-MoE: softmax over all experts, top-k, divided by their sum if norm_topk_prob."""
+    probs = _softmax(row)
+    ids = _top(probs, k)
+    w = [probs[e] for e in ids]
+    return ids, _normalized(w) if cfg["norm"] else w
+
+
+def gpt_oss(row, k, bias, cfg):
+    """gpt-oss: top-k of the logits, then softmax over the selected logits."""
+    ids = _top(row, k)
+    return ids, _softmax([row[e] for e in ids])
+
+
+def llama4(row, k, bias, cfg):
+    """Llama4: top-k of the logits, then the sigmoid of each selected logit."""
+    ids = _top(row, k)
+    return ids, _sigmoid([row[e] for e in ids])
+
+
+def deepseek(row, k, bias, cfg):
+    """DeepSeek-V3 (scores = sigmoid, a correction bias) and V2 (softmax, none): selection = scores + bias;
+    groups ranked by the sum of their two best selection scores with a bias, by their best one without;
+    the k best experts of the topk_group best groups (the others masked with -inf, as in vLLM's and
+    DeepSeek's inference code), weighted by their unbiased scores, renormalized if asked, times the
+    routed scaling factor."""
+    scores = (_softmax if cfg["scoring"] == "softmax" else _sigmoid)(row)
+    sel = [s + b for s, b in zip(scores, bias)] if bias is not None else scores
+    size = len(row) // cfg["groups"]
+    group_score = []
+    for g in range(cfg["groups"]):
+        best = sorted(sel[g * size : (g + 1) * size], reverse=True)
+        group_score.append(sum(best[:2]) if bias is not None else best[0])
+    kept = _top(group_score, cfg["topk_group"])
+    ids = _top(sel, k, [e for e in range(len(row)) if e // size in kept])
+    w = [scores[e] for e in ids]
+    w = _normalized(w) if cfg["norm"] else w
+    return ids, [v * cfg["scale"] for v in w]
+
+
+# model -> (E, k, route kwargs, float64 reference, its config, whether it has a correction bias)
+MODELS = {
+    "mixtral": (8, 2, dict(scoring="softmax", renormalize=True), mixtral, dict(norm=True), False),
+    "qwen3_moe": (128, 8, dict(scoring="softmax", renormalize=True), mixtral, dict(norm=True), False),
+    "qwen2_moe_no_norm": (60, 4, dict(scoring="softmax", renormalize=False), mixtral, dict(norm=False), False),
+    "gpt_oss": (32, 4, dict(scoring="softmax", renormalize=True), gpt_oss, {}, False),
+    "llama4": (16, 1, dict(scoring="sigmoid", renormalize=False), llama4, {}, False),
+    "deepseek_v3": (
+        256, 8,
+        dict(scoring="sigmoid", renormalize=True, num_expert_group=8, topk_group=4, routed_scaling_factor=2.5),
+        deepseek, dict(scoring="sigmoid", groups=8, topk_group=4, norm=True, scale=2.5), True,
+    ),
+    "deepseek_v2": (
+        160, 6,
+        dict(scoring="softmax", renormalize=False, num_expert_group=8, topk_group=3, routed_scaling_factor=16.0),
+        deepseek, dict(scoring="softmax", groups=8, topk_group=3, norm=False, scale=16.0), False,
+    ),
+    "kimi_k2": (
+        384, 8,
+        dict(scoring="sigmoid", renormalize=True, num_expert_group=1, topk_group=1, routed_scaling_factor=2.827),
+        deepseek, dict(scoring="sigmoid", groups=1, topk_group=1, norm=True, scale=2.827), True,
+    ),
+}  # fmt: skip
+
+# How the [M, E] logits are laid out in memory.
+LAYOUTS = {
+    "contiguous": lambda t: t,
+    "transposed": lambda t: t.T.contiguous().T,
+    "strided": lambda t: torch.stack([t, torch.randn_like(t)], dim=2).flatten(1)[:, ::2],
+}
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def grid_logits(m, num_experts, dtype):
+    """Fresh random logits (std 2) on a grid of 1/64, then in `dtype` (exact in fp16, rounded in bf16):
+    exact ties occur, as with bf16 router outputs, while distinct logits stay far apart at float32
+    precision, so the float64 order is the float32 one and ids can be compared in order."""
+    return ((torch.randn(m, num_experts) * 128).round() / 64).to(dtype)
+
+
+def grid_bias(num_experts):
+    """A correction bias on a grid of 1/256 (ties among the biased scores too)."""
+    return (torch.randn(num_experts) * 25).round() / 256
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_route_matches_model_routing_float64(model, dtype, layout):
+    num_experts, top_k, kwargs, reference, cfg, has_bias = MODELS[model]
+    m = 96
+    logits = grid_logits(m, num_experts, DTYPES[dtype])
+    # every third row ties at the k-th place for sure: its (k+1)-th best expert gets the k-th best logit
+    order = logits.float().argsort(dim=1, descending=True)
+    rows = torch.arange(0, m, 3)
+    logits[rows, order[rows, top_k]] = logits[rows, order[rows, top_k - 1]]
+    logits = LAYOUTS[layout](logits)
+    bias = grid_bias(num_experts) if has_bias else None
+    weights, ids = moe_ops.route(logits, top_k, e_score_correction_bias=bias, **kwargs)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert weights.shape == ids.shape == (m, top_k) and weights.is_contiguous() and ids.is_contiguous()
+    bias64 = None if bias is None else bias.double().tolist()
+    for r, row in enumerate(logits.double().tolist()):
+        want_ids, want_w = reference(row, top_k, bias64, cfg)
+        got_ids = ids[r].tolist()
+        assert got_ids == want_ids, f"row {r}: ids {got_ids}, the model's (lower id wins ties) {want_ids}"
+        for j, w in enumerate(want_w):
+            got = weights[r, j].item()
+            assert abs(got - w) <= ROUTE_RTOL * abs(w), f"row {r}, expert {want_ids[j]}: weight {got} != {w}"
+
+
+def _tied_logits(m, num_experts):
+    """Fresh random logits drawn from 5 values (never all zero): most rows tie at the k-th place."""
+    return torch.randint(-2, 3, (m, num_experts)).float() * 0.75 + 0.5
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(scoring="softmax"),
+        dict(scoring="sigmoid", renormalize=False),
+        dict(scoring="sigmoid", num_expert_group=8, topk_group=2, bias=True),
+        dict(scoring="softmax", num_expert_group=8, topk_group=3),
+    ],
+    ids=["softmax", "sigmoid", "grouped_bias", "grouped"],
+)
+def test_exact_ties_go_to_the_lower_expert_id(kwargs):
+    """Equal scores: the lower expert id is chosen (and comes first), for experts and for groups, whatever
+    the row's neighbours; torch.topk picked e.g. experts [6, 5] of 8 equal logits."""
+    kwargs = dict(kwargs)
+    num_experts, top_k = 64, 6
+    bias = torch.full((num_experts,), 0.25) if kwargs.pop("bias", False) else None  # ties survive the bias
+    logits = _tied_logits(48, num_experts)
+    weights, ids = moe_ops.route(logits, top_k, e_score_correction_bias=bias, **kwargs)
+    groups, topk_group = kwargs.get("num_expert_group"), kwargs.get("topk_group")
+    for r, row in enumerate(logits.double().tolist()):
+        sel = (_softmax if kwargs["scoring"] == "softmax" else _sigmoid)(row)
+        sel = [v + 0.25 for v in sel] if bias is not None else sel
+        candidates = range(num_experts)
+        if groups:
+            size = num_experts // groups
+            best = [sorted(sel[g * size : (g + 1) * size], reverse=True) for g in range(groups)]
+            kept = _top([sum(b[:2]) if bias is not None else b[0] for b in best], topk_group)
+            candidates = [e for e in candidates if e // size in kept]
+        assert ids[r].tolist() == _top(sel, top_k, candidates), f"row {r}: {row}"
+    # the same rows routed one at a time agree (no dependence on the batch)
+    for r in range(0, 48, 7):
+        alone = moe_ops.route(logits[r : r + 1], top_k, e_score_correction_bias=bias, **kwargs)[1]
+        assert torch.equal(alone, ids[r : r + 1])
+
+
+def test_equal_logits_pick_the_first_experts():
+    """A row of equal (non-zero) logits routes to experts 0..k-1 with equal weights."""
+    logits = torch.full((3, 8), float(torch.randn(()).item()))
+    for k in (1, 2, 4, 8):
+        weights, ids = moe_ops.route(logits, k)
+        assert ids.tolist() == [list(range(k))] * 3
+        assert torch.allclose(weights, torch.full((3, k), 1 / k), rtol=ROUTE_RTOL, atol=0)
+
+
+def test_k_equals_num_experts():
+    logits = torch.randn(17, 12)
+    for kwargs in (dict(), dict(renormalize=False), dict(scoring="sigmoid", num_expert_group=4, topk_group=4)):
+        weights, ids = moe_ops.route(logits, 12, **kwargs)
+        assert (ids.sort(dim=1).values == torch.arange(12, dtype=torch.int32)).all()
+    weights, ids = moe_ops.route(logits, 12)
+    probs = torch.softmax(logits.double(), dim=-1)
+    assert torch.allclose(weights.double(), probs.gather(1, ids.long()), rtol=ROUTE_RTOL, atol=0)
+
+
+def test_infinite_logits():
+    """sigmoid takes its limits at +-inf; softmax of a row with +inf (or only -inf) is undefined: its
+    weights are NaN and its ids still distinct experts in [0, E)."""
+    num_experts, top_k = 8, 3
+    logits = torch.randn(4, num_experts)
+    logits[0, 5] = float("inf")
+    logits[1, :6] = float("-inf")  # only experts 6 and 7 are finite
+    logits[2] = float("-inf")
+    logits[3, 2] = float("-inf")
+    w, ids = moe_ops.route(logits, top_k, scoring="sigmoid", renormalize=False)
+    assert ids[0, 0] == 5 and w[0, 0] == 1.0
+    assert ids[1].tolist()[:2] == sorted([6, 7], key=lambda e: -logits[1, e])  # the finite ones, best first
+    assert ids[1, 2] == 0 and w[1, 2] == 0.0  # the best of the -inf experts: the lowest id, weight 0
+    assert ids[2].tolist() == [0, 1, 2] and (w[2] == 0).all()
+    assert 2 not in ids[3].tolist()
+    w, ids = moe_ops.route(logits, top_k, scoring="softmax", renormalize=True)
+    assert w[0].isnan().all() and w[2].isnan().all()
+    assert set(ids[1].tolist()[:2]) == {6, 7} and w[1, 2] == 0.0 and torch.isclose(w[1].sum(), torch.tensor(1.0))
+    assert not w[3].isnan().any() and 2 not in ids[3].tolist()
+    assert ((ids >= 0) & (ids < num_experts)).all() and all(len(set(r)) == top_k for r in ids.tolist())
+
+
+@pytest.mark.parametrize("value", [None, 1, "yes"], ids=["None", "int", "str"])
+def test_renormalize_must_be_a_bool(value):
+    """None silently meant renormalize=False, and a str reached the op's schema check (RuntimeError)."""
+    with pytest.raises(TypeError, match=rf"renormalize: expected a bool, got {type(value).__name__} {value!r}"):
+        moe_ops.route(torch.randn(3, 8), 2, renormalize=value)
+
+
+@pytest.mark.parametrize("m", [0, 1, 6])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "spec",
+    [("softmax", True, 0, 0, False, 1.0), ("sigmoid", True, 4, 2, True, 2.5), ("sigmoid", False, 2, 2, True, 1.0)],
+    ids=["softmax", "grouped_bias", "all_groups"],
+)
+def test_opcheck_non_contiguous(spec, layout, m):
+    """opcheck, and the fake impl against the real outputs (shape, dtype, strides), on non-contiguous
+    logits and bias; M = 0 and 1 included (a [1, k] slice of an [1, E] tensor counts as contiguous)."""
+    scoring, renormalize, groups, topk_group, with_bias, scale = spec
+    logits = LAYOUTS[layout](torch.randn(m, 8).bfloat16())
+    bias = torch.randn(16)[::2] if with_bias else None
+    args = (logits, 3, scoring, renormalize, groups, topk_group, bias, scale)
+    torch.library.opcheck(route_op, args)
+    real = route_op(*args)
+    with FakeTensorMode() as mode:
+        fake = route_op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+    for r, f in zip(real, fake):
+        assert (f.shape, f.dtype, f.stride()) == (r.shape, r.dtype, r.stride())
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [("softmax", False, 0, 0, False, 1.0), ("sigmoid", True, 4, 2, True, 2.5), ("softmax", True, 4, 2, False, 1.0)],
+    ids=["softmax", "grouped_bias", "grouped"],
+)
+def test_no_host_synchronisation(spec):
+    """The op's body runs on meta tensors, which hold no values: .item(), .tolist(), .cpu(), nonzero,
+    unique or bincount there would raise."""
+    scoring, renormalize, groups, topk_group, with_bias, scale = spec
+    logits = torch.randn(5, 16).bfloat16().to("meta")
+    bias = torch.randn(16, device="meta") if with_bias else None
+    weights, ids = routing._route(logits, 4, scoring, renormalize, groups, topk_group, bias, scale)
+    assert weights.device.type == ids.device.type == "meta"
+    assert weights.shape == ids.shape == (5, 4) and weights.dtype == torch.float32 and ids.dtype == torch.int32
