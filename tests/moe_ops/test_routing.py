@@ -276,3 +276,21 @@ def test_no_host_synchronisation(spec):
     weights, ids = routing._route(logits, 4, scoring, renormalize, groups, topk_group, bias, scale)
     assert weights.device.type == ids.device.type == "meta"
     assert weights.shape == ids.shape == (5, 4) and weights.dtype == torch.float32 and ids.dtype == torch.int32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", list(MODELS))
+def test_cuda_routing_picks_the_cpus_experts(model):
+    """On CUDA the same ids as on the CPU, in the same order, ties included (torch.topk orders ties
+    differently on the two), for bf16 logits with many exact ties; the weights agree to float32 rounding."""
+    num_experts, top_k, kwargs, *_, has_bias = MODELS[model]
+    logits = grid_logits(4096, num_experts, torch.bfloat16)
+    bias = grid_bias(num_experts) if has_bias else None
+    w_cpu, ids_cpu = moe_ops.route(logits, top_k, e_score_correction_bias=bias, **kwargs)
+    w_gpu, ids_gpu = moe_ops.route(
+        logits.cuda(), top_k, e_score_correction_bias=None if bias is None else bias.cuda(), **kwargs
+    )
+    tied = (logits.float().sort(dim=1, descending=True).values[:, top_k - 1 : top_k + 1].diff(dim=1) == 0).sum()
+    assert tied > 0, "the draw has no tie at the k-th place: the test would not test ties"
+    assert torch.equal(ids_gpu.cpu(), ids_cpu)
+    torch.testing.assert_close(w_gpu.cpu(), w_cpu, rtol=2e-6, atol=1e-9)
