@@ -46,13 +46,20 @@ def scale_shape(group: tuple[int, int], rows: int, cols: int) -> tuple[int, int]
 
 
 def group_amax(x: torch.Tensor, group: tuple[int, int]) -> torch.Tensor:
-    """float32 [..., R, C] -> [..., cdiv(R, gr), cdiv(C, gc)]: the largest |x| of each group."""
+    """float32 [..., R, C] -> [..., cdiv(R, gr), cdiv(C, gc)]: the largest |x| of each group. A NaN makes
+    its group's amax NaN when the group lies within one row (a token's own scale says its values are
+    undefined), and is skipped in groups over several rows (per-tensor, 2-D blocks), as vLLM's fmaxf
+    amax skips it: one token's NaN (a garbage padding row of a captured batch) must not turn every
+    other token's scale, hence output, into NaN. It still stays NaN in its own fp8 value."""
     *lead, rows, cols = x.shape
     gr, gc = group_dims(group, rows, cols)
     sr, sc = scale_shape(group, rows, cols)
     if x.numel() == 0:
         return x.new_zeros((*lead, sr, sc), dtype=torch.float32)
-    padded = torch.nn.functional.pad(x.float().abs(), (0, sc * gc - cols, 0, sr * gr - rows))
+    magnitude = x.float().abs()
+    if gr != 1:
+        magnitude = torch.where(magnitude.isnan(), 0.0, magnitude)
+    padded = torch.nn.functional.pad(magnitude, (0, sc * gc - cols, 0, sr * gr - rows))
     return padded.view(*lead, sr, gr, sc, gc).amax(dim=(-3, -1))
 
 
@@ -144,7 +151,8 @@ def quantize_int8(x: torch.Tensor, group, scale: torch.Tensor | None = None):
     if scale is None:
         scale = (group_amax(x, group) / INT8_MAX).clamp(min=_TINY)
     full = expand_groups(scale.float(), group, x.shape[-2], x.shape[-1])
-    q = torch.round(x.float() / full).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    # NaN has no int8 code: 0, as vLLM's kernels give (casting NaN to an integer is undefined).
+    q = torch.round(x.float() / full).nan_to_num(nan=0.0).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale.float()
 
 

@@ -469,6 +469,21 @@ def test_nan_token_routed_only_to_remote_experts_does_not_leak():
                      tolerance(torch.float32), "NaN token")  # fmt: skip
 
 
+@pytest.mark.parametrize("case", ["fp8_w8a8_per_tensor_dynamic", "mxfp4_w4a8_per_tensor_dynamic"])
+def test_nan_token_does_not_poison_a_per_tensor_dynamic_scale(case):
+    """A token of NaN (a garbage padding row of a captured batch) gets NaN, and the other tokens get what
+    they get without it: the per-tensor activation scales of both GEMMs skip NaN, as vLLM's amax does
+    (it made every token NaN)."""
+    scheme, x, q13, q2, config, _, _, tw, ids, _ = _quant_layer(case, torch.float32, m=64)
+    x[4] = float("nan")
+    out = fused_experts(x, q13, q2, tw, ids, quant_config=config)
+    assert out[4].isnan().all()
+    keep = torch.arange(64) != 4
+    without = fused_experts(x[keep], q13, q2, tw[keep], ids[keep], quant_config=config)
+    assert torch.isfinite(out[keep]).all()
+    assert_close_rel(out[keep], without, 1e-6, "the other tokens, against the layer without the NaN token")
+
+
 @pytest.mark.parametrize("activation", ["silu", "relu2"])
 def test_apply_router_weight_on_input(activation):
     gated = activation != "relu2"

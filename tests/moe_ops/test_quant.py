@@ -104,6 +104,28 @@ def test_activation_quantize_matches_float64(fmt, group, static, dtype):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_a_nan_token_leaves_the_other_tokens_per_tensor_scale_alone(fmt):
+    """A dynamic per-tensor scale spans every token: a NaN in one token (a garbage padding row) is
+    skipped in its amax, as vLLM's fmaxf amax skips it, so the other tokens quantize as they would
+    with that scale given, and the NaN element stays NaN (fp8) or gets code 0 (int8, no NaN code). A
+    per-token scale keeps the NaN: that token's own scale says its values are undefined."""
+    m, k, row, col = 6, 256, 3, 17
+    x = _x(m, k)
+    x[row, col] = float("nan")
+    qmax = 448.0 if fmt == "fp8" else 127.0
+    q, s = quantize(x, fmt, [-1, -1], None, None)
+    want = x.double().nan_to_num(nan=0.0).abs().amax() / qmax
+    assert torch.isfinite(s).all() and torch.allclose(s.double(), want.reshape(1, 1), rtol=1e-6, atol=0)
+    others = torch.arange(m) != row
+    q_others, _ = quantize(x[others], fmt, [-1, -1], s.reshape(1), None)
+    assert torch.equal(q[others].view(torch.uint8), q_others.view(torch.uint8))
+    nan_code = q[row, col].float()
+    assert nan_code.isnan() if fmt == "fp8" else nan_code == 0
+    _, per_token = quantize(x, fmt, [1, -1], None, None)
+    assert per_token[row].isnan().all() and torch.isfinite(per_token[others]).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_activation_quantize_rounds_half_to_even_and_saturates(fmt):
     """With a static scale of 1: int8 ties go to the even integer; +-inf and out-of-range values
     saturate to the largest code (not NaN, not wrap-around); fp8 keeps NaN."""
