@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import torch
 
-from . import forward_only
+from . import _checks, forward_only
 from .quant import formats
-from .quant.quantize import dequantize_activation
+from .quant.quantize import ACTIVATION_STORAGE, dequantize_activation
 
 # (device type, dtype) pairs where torch._grouped_mm multiplies exactly in float32 accumulation.
 _NATIVE_GROUPED_MM = {("cpu", torch.float32), ("cuda", torch.bfloat16)}
 _CHUNK_BYTES = 1 << 28
+# a_dtype / w_dtype -> elements per stored element along K ("none": unquantized).
+_A_PACKING = {"none": 1, **{k: formats.PACKING[k] for k in ACTIVATION_STORAGE}}
+_W_PACKING = {"none": 1, **formats.PACKING}
 
 
 def row_experts(expert_offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -28,12 +31,23 @@ def row_experts(expert_offsets: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(ends, torch.arange(rows, device=ends.device), right=True)
 
 
+def _aligned(t: torch.Tensor, unit_dim: int) -> bool:
+    """Whether t.stride(unit_dim) is 1 and t's start and every other stride are multiples of 16 bytes."""
+    size = t.element_size()
+    others = [s for d, s in enumerate(t.stride()) if d != unit_dim % t.dim()]
+    return t.stride(unit_dim) == 1 and t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in others)
+
+
 def _native_ok(a: torch.Tensor, w: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or (a.device.type, a.dtype) not in _NATIVE_GROUPED_MM or w.dtype != a.dtype:
         return False
     size = a.element_size()
-    aligned = all(t.data_ptr() % 16 == 0 for t in (a, w)) and (a.shape[1] * size) % 16 == 0
-    return aligned and (w.shape[1] * size) % 16 == 0 and a.stride(1) == 1
+    # torch._grouped_mm raises unless every stride is 16-byte aligned: a K-slice of a wider weight (row-
+    # or column-major, both of which fused_experts accepts) takes the batched path instead.
+    return (
+        _aligned(a, 1) and (_aligned(w, 2) or _aligned(w, 1))
+        and (a.shape[1] * size) % 16 == 0 and (w.shape[1] * size) % 16 == 0
+    )
 
 
 def segment_matmul(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
@@ -57,6 +71,43 @@ def segment_matmul(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tenso
     return torch.where(valid, out, 0.0)
 
 
+def check_gemm_args(
+    a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
+    bias, expert_offsets, gather_idx, out_dtype,
+) -> None:  # fmt: skip
+    """The op's arguments (shapes, dtypes and devices only, no values: safe under compile). Quantized
+    storage dtypes and scale shapes are not checked: the format strings say how to read them (a chain
+    written by hand may read int8 codes as fp8, see tests/lowering)."""
+    _checks.expect_choice("a_dtype", a_dtype, _A_PACKING)
+    _checks.expect_choice("w_dtype", w_dtype, _W_PACKING)
+    _checks.expect_ndim("a", a, 2, "[R, K] (or packed [R, K/2])")
+    _checks.expect_ndim("w", w, 3, "[E, N, K] (or packed [E, N, K/2])")
+    for name, t, fmt in (("a", a, a_dtype), ("w", w, w_dtype)):
+        if fmt == "none":
+            _checks.expect_dtype(name, t, _checks.FLOAT_DTYPES)
+    for name, scale, fmt in (("a_scale", a_scale, a_dtype), ("w_scale", w_scale, w_dtype)):
+        if fmt != "none" and scale is None:
+            raise ValueError(f"{name}: {fmt!r} values need their scales, got None")
+    k_a, k_w = a.shape[1] * _A_PACKING[a_dtype], w.shape[2] * _W_PACKING[w_dtype]
+    if k_a != k_w:
+        raise ValueError(f"a and w: K differs, a {tuple(a.shape)} ({a_dtype}) holds K={k_a}, w {tuple(w.shape)} ({w_dtype}) K={k_w}")
+    num_experts, n = w.shape[0], w.shape[1]
+    _checks.expect_shape("expert_offsets", expert_offsets, (num_experts + 1,), "[E+1]")
+    _checks.expect_dtype("expert_offsets", expert_offsets, _checks.INDEX_DTYPES)
+    if gather_idx is not None:
+        _checks.expect_ndim("gather_idx", gather_idx, 1, "[R]")
+        _checks.expect_dtype("gather_idx", gather_idx, _checks.INDEX_DTYPES)
+    if bias is not None:
+        _checks.expect_shape("bias", bias, (num_experts, n), "[E, N]")
+        _checks.expect_dtype("bias", bias, _checks.FLOAT_DTYPES)
+    if out_dtype not in _checks.FLOAT_DTYPES:
+        raise TypeError(f"out_dtype: got {out_dtype}; allowed: {', '.join(map(str, _checks.FLOAT_DTYPES))}")
+    _checks.expect_same_device(
+        {"a": a, "w": w, "expert_offsets": expert_offsets, "gather_idx": gather_idx, "bias": bias, "a_scale": a_scale,
+         "a_global_scale": a_global_scale, "w_scale": w_scale, "w_global_scale": w_global_scale, "w_zero": w_zero}
+    )  # fmt: skip
+
+
 @torch.library.custom_op("moe_ops::grouped_gemm", mutates_args=())
 def grouped_gemm(
     a: torch.Tensor,
@@ -76,25 +127,31 @@ def grouped_gemm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Reference grouped GEMM; a_dtype / w_dtype "none" mean unquantized. See the module docstring."""
+    check_gemm_args(
+        a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
+        bias, expert_offsets, gather_idx, out_dtype,
+    )  # fmt: skip
     x = dequantize_activation(a, a_dtype, a_group, a_scale, a_global_scale)
     if gather_idx is not None:
         # Out-of-range indices read nothing (compiled callers are not value-checked).
         g = gather_idx.long()
         ok = ((g >= 0) & (g < x.shape[0])).unsqueeze(1)
-        x = torch.where(ok, x[g.clamp(0, max(x.shape[0] - 1, 0))], 0.0)
+        # No token at all (x [0, K]): every index is out of range and there is no row to clamp to.
+        rows = x[g.clamp(0, x.shape[0] - 1)] if x.shape[0] else x.new_zeros((g.shape[0], x.shape[1]))
+        x = torch.where(ok, rows, 0.0)
     if w_dtype == "none":
         wf = w
-        if (x.device.type, w.dtype) in _NATIVE_GROUPED_MM and a_dtype == "none":
-            x = x.to(w.dtype)  # exact: x came from w's dtype
+        if (x.device.type, w.dtype) in _NATIVE_GROUPED_MM and a_dtype == "none" and a.dtype == w.dtype:
+            x = x.to(w.dtype)  # exact: x came from w's dtype (another dtype's x would be rounded)
         else:
             wf = w.float()
     else:
         wf = formats.dequantize(w, w_dtype, (w_group[0], w_group[1]), w_scale, w_global_scale, w_zero)
     out = segment_matmul(x if x.dtype == wf.dtype else x.float(), wf, expert_offsets)
-    if bias is not None:
+    num_experts = w.shape[0]
+    if bias is not None and num_experts:  # no expert (E = 0): every row is dropped, bias [0, N] has no row
         expert = row_experts(expert_offsets, out.shape[0])
-        num_experts = w.shape[0]
-        row_bias = bias.float()[expert.clamp(max=max(num_experts - 1, 0))]
+        row_bias = bias.float()[expert.clamp(max=num_experts - 1)]
         out = out + torch.where((expert < num_experts).unsqueeze(1), row_bias, 0.0)
     return out.to(out_dtype)
 
@@ -104,8 +161,11 @@ def _grouped_gemm_fake(
     a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
     bias, expert_offsets, gather_idx, out_dtype,
 ):  # fmt: skip
+    check_gemm_args(
+        a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
+        bias, expert_offsets, gather_idx, out_dtype,
+    )  # fmt: skip
     rows = gather_idx.shape[0] if gather_idx is not None else a.shape[0]
-    torch._check(expert_offsets.shape[0] == w.shape[0] + 1, lambda: "expert_offsets must have E + 1 entries")
     return a.new_empty((rows, w.shape[1]), dtype=out_dtype)
 
 

@@ -25,7 +25,9 @@ def local_expert_ids(topk_ids: torch.Tensor, num_experts: int, expert_map: torch
     if expert_map is not None:
         num_global = expert_map.shape[0]
         in_range = (ids >= 0) & (ids < num_global)
-        ids = torch.where(in_range, expert_map.long()[ids.clamp(0, max(num_global - 1, 0))], -1)
+        # An empty map (E_global = 0) has no entry to clamp to: every pair is dropped.
+        mapped = expert_map.long()[ids.clamp(0, num_global - 1)] if num_global else ids
+        ids = torch.where(in_range, mapped, -1)
     valid = (ids >= 0) & (ids < num_experts)
     return torch.where(valid, ids, num_experts)
 

@@ -8,7 +8,25 @@ from __future__ import annotations
 
 import torch
 
-from . import forward_only
+from . import _checks, forward_only
+
+
+def check_reduce_args(y, topk_weights, inverse, expert_offsets) -> None:
+    """The op's arguments (shapes, dtypes and devices only, no values: safe under compile)."""
+    _checks.expect_ndim("y", y, 2, "[M*k, H]")
+    _checks.expect_dtype("y", y, _checks.FLOAT_DTYPES)
+    _checks.expect_ndim("topk_weights", topk_weights, 2, "[M, k]")
+    _checks.expect_dtype("topk_weights", topk_weights, _checks.FLOAT_DTYPES)
+    m, k = topk_weights.shape
+    _checks.expect_shape("inverse", inverse, (m * k,), f"[M*k] for topk_weights {tuple(topk_weights.shape)}")
+    _checks.expect_dtype("inverse", inverse, _checks.INDEX_DTYPES)
+    if y.shape[0] != m * k:
+        raise ValueError(f"y: expected [M*k={m * k}, H] for topk_weights {tuple(topk_weights.shape)}, got {tuple(y.shape)}")
+    _checks.expect_ndim("expert_offsets", expert_offsets, 1, "[E+1]")
+    if expert_offsets.shape[0] < 1:
+        raise ValueError(f"expert_offsets: expected [E+1] with E >= 0, got shape {tuple(expert_offsets.shape)}")
+    _checks.expect_dtype("expert_offsets", expert_offsets, _checks.INDEX_DTYPES)
+    _checks.expect_same_device({"y": y, "topk_weights": topk_weights, "inverse": inverse, "expert_offsets": expert_offsets})
 
 
 @torch.library.custom_op("moe_ops::weighted_reduce", mutates_args=())
@@ -16,6 +34,7 @@ def weighted_reduce(
     y: torch.Tensor, topk_weights: torch.Tensor, inverse: torch.Tensor, expert_offsets: torch.Tensor
 ) -> torch.Tensor:
     """y [M*k, H] grouped rows, topk_weights [M, k] float32, inverse int32 [M*k] -> [M, H]."""
+    check_reduce_args(y, topk_weights, inverse, expert_offsets)
     m, k = topk_weights.shape
     rows = inverse.long()
     valid = ((rows >= 0) & (rows < expert_offsets[-1].long())).view(m, k, 1)
@@ -29,7 +48,7 @@ def weighted_reduce(
 
 @weighted_reduce.register_fake
 def _weighted_reduce_fake(y, topk_weights, inverse, expert_offsets):
-    torch._check(inverse.shape[0] == topk_weights.shape[0] * topk_weights.shape[1])
+    check_reduce_args(y, topk_weights, inverse, expert_offsets)
     return y.new_empty((topk_weights.shape[0], y.shape[1]))
 
 
