@@ -218,6 +218,38 @@ def _check_aligned(**tensors) -> None:
         raise ValueError(why)
 
 
+_INDEX = (torch.int32,)
+_BIAS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_tensors(**specs) -> None:
+    """specs: name=(tensor or None, expected shape with None for any size, allowed dtypes). TypeError or
+    ValueError naming the first tensor the kernels cannot read as given (dtype, shape, contiguity,
+    device), before any compile or launch: the kernels take raw pointers and would misread it."""
+    device = None
+    for name, (t, shape, dtypes) in specs.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name}: dtype {t.dtype}; the kernels take {', '.join(map(str, dtypes))}")
+        if t.dim() != len(shape) or any(want is not None and want != got for want, got in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
+            raise ValueError(f"{name}: shape {list(t.shape)}; expected {want}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: strides {t.stride()} are not contiguous; the kernels take contiguous tensors")
+        if device is not None and t.device != device:
+            raise ValueError(f"{name}: on {t.device}, the other tensors on {device}")
+        device = t.device
+
+
+def _check_support(ok_why: tuple[bool, str]) -> None:
+    ok, why = ok_why
+    if not ok:
+        raise ValueError(f"the kernels do not serve this call: {why}")
+
+
 def _ptr(t: torch.Tensor):
     return make_ptr(_CUTLASS_DTYPE[t.dtype], t.data_ptr(), AddressSpace.gmem, assumed_align=ALIGN_BYTES)
 
@@ -296,10 +328,19 @@ def gate_up(
     tiles: (tile_m, tile_n) instead of choose_tiles' (for tile sweeps). expert_ids: the routing plan's
     topk_ids [M, k] when they are local expert ids (no expert_map), read at M = 1 as a hint only."""
     _check_experts(w)
-    _check_aligned(x=x, w=w, bias=bias, offsets=offsets, gather=gather, out=out)
-    hint = _hint(x, gather, expert_ids)
     num_experts, n, hidden = w.shape
     inter = n // 2 if activation in GATED else n
+    _check_support(gate_up_support(
+        dtype=x.dtype, weight_dtype=w.dtype, activation=activation, gate_layout=gate_layout, has_bias=bias is not None,
+        hidden=hidden, intermediate=inter, num_experts=num_experts, weight_row_major=w.stride(2) == 1,
+    ))  # fmt: skip
+    _check_tensors(
+        x=(x, (None, hidden), (x.dtype,)), w=(w, (num_experts, n, hidden), (x.dtype,)), bias=(bias, (num_experts, n), _BIAS),
+        offsets=(offsets, (num_experts + 1,), _INDEX), gather=(gather, (None,), _INDEX),
+        out=(out, (gather.shape[0], inter), (x.dtype,)),
+    )  # fmt: skip
+    _check_aligned(x=x, w=w, bias=bias, offsets=offsets, gather=gather, out=out)
+    hint = _hint(x, gather, expert_ids)
     if out is None:
         out = torch.empty(gather.shape[0], inter, dtype=x.dtype, device=x.device)
     if out.shape[0] == 0:
@@ -325,9 +366,20 @@ def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, ti
     launched just before it on the stream (MoeGemmSm90.early_weights). Only when that kernel writes
     neither and started after both were written, as gate_up over the same plan does."""
     _check_experts(w)
-    _check_aligned(a=a, w=w, bias=bias, offsets=offsets, gather=gather, topk_weights=topk_weights, inverse=inverse, out=out)
     num_experts, hidden, inter = w.shape
+    _check_support(down_reduce_support(
+        dtype=a.dtype, weight_dtype=w.dtype, has_bias=bias is not None, hidden=hidden, intermediate=inter,
+        num_experts=num_experts, weight_row_major=w.stride(2) == 1,
+    ))  # fmt: skip
+    _check_tensors(topk_weights=(topk_weights, (None, None), (torch.float32,)))
     m, k = topk_weights.shape
+    _check_tensors(
+        a=(a, (m * k, inter), (a.dtype,)), w=(w, (num_experts, hidden, inter), (a.dtype,)),
+        bias=(bias, (num_experts, hidden), _BIAS), offsets=(offsets, (num_experts + 1,), _INDEX),
+        gather=(gather, (m * k,), _INDEX), topk_weights=(topk_weights, (m, k), (torch.float32,)),
+        inverse=(inverse, (m * k,), _INDEX), out=(out, (m, hidden), (a.dtype,)),
+    )  # fmt: skip
+    _check_aligned(a=a, w=w, bias=bias, offsets=offsets, gather=gather, topk_weights=topk_weights, inverse=inverse, out=out)
     if out is None:
         out = torch.empty(m, hidden, dtype=a.dtype, device=a.device)
     if m == 0:

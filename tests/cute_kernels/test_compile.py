@@ -246,3 +246,49 @@ def test_expert_ids_hint():
         interface.gate_up(x, w, None, offsets, gather, expert_ids=torch.rand(1, 3), **kw)
     with pytest.raises(ValueError, match=r"expert_ids: 2 ids for 3 routed pairs"):
         interface.gate_up(x, w, None, offsets, gather, expert_ids=ids[:, :2].contiguous(), **kw)
+
+
+def _direct_args(op: str) -> dict:
+    """Arguments of a valid direct call (E = 4, H = I = 128, M = 4, k = 2) as CPU tensors: the checks run
+    before anything touches a GPU."""
+    e, h, i, m, k = 4, 128, 128, 4, 2
+    bf16, i32 = dict(dtype=torch.bfloat16), dict(dtype=torch.int32)
+    shared = dict(offsets=torch.tensor([0, 3, 5, 8, 8], **i32), gather=torch.randint(0, m, (m * k,), **i32))
+    if op == "gate_up":
+        return dict(x=torch.randn(m, h, **bf16), w=torch.randn(e, 2 * i, h, **bf16), bias=None, **shared)
+    return dict(a=torch.randn(m * k, i, **bf16), w=torch.randn(e, h, i, **bf16), bias=None, **shared,
+                topk_weights=torch.rand(m, k), inverse=torch.randperm(m * k).to(torch.int32))  # fmt: skip
+
+
+# name -> (op, the argument to replace, its bad value as a function of the good args, the error)
+BAD_DIRECT_CALLS = {
+    "x_float32": ("gate_up", "x", lambda a: a["x"].float(), (ValueError, "activations in torch.float32")),
+    "w_other_dtype": ("gate_up", "w", lambda a: a["w"].half(), (ValueError, "weights in torch.float16")),
+    "w_column_major": ("gate_up", "w", lambda a: a["w"].transpose(1, 2).contiguous().transpose(1, 2), (ValueError, "column-major")),
+    "x_wrong_hidden": ("gate_up", "x", lambda a: a["x"][:, :64].contiguous(), (ValueError, r"x: shape \[4, 64\]; expected \[\*, 128\]")),
+    "x_strided": ("gate_up", "x", lambda a: torch.randn(128, 4, dtype=torch.bfloat16).t(), (ValueError, "x: strides")),
+    "offsets_int64": ("gate_up", "offsets", lambda a: a["offsets"].long(), (TypeError, "offsets: dtype torch.int64")),
+    "offsets_short": ("gate_up", "offsets", lambda a: a["offsets"][:4], (ValueError, r"offsets: shape \[4\]; expected \[5\]")),
+    "gather_2d": ("gate_up", "gather", lambda a: a["gather"].view(4, 2), (ValueError, "gather: shape")),
+    "bias_wrong_n": ("gate_up", "bias", lambda a: torch.randn(4, 128, dtype=torch.bfloat16), (ValueError, r"bias: shape \[4, 128\]; expected \[4, 256\]")),
+    "a_wrong_rows": ("down_reduce", "a", lambda a: a["a"][:6], (ValueError, r"a: shape \[6, 128\]; expected \[8, 128\]")),
+    "topk_weights_bf16": ("down_reduce", "topk_weights", lambda a: a["topk_weights"].bfloat16(), (TypeError, "topk_weights: dtype torch.bfloat16")),
+    "inverse_short": ("down_reduce", "inverse", lambda a: a["inverse"][:7], (ValueError, r"inverse: shape \[7\]; expected \[8\]")),
+    "intermediate_odd": ("down_reduce", "w", lambda a: torch.randn(4, 128, 96, dtype=torch.bfloat16), (ValueError, "intermediate=96")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_DIRECT_CALLS))
+def test_direct_calls_reject_what_the_kernels_cannot_read(case):
+    """cute_kernels.interface called directly (not through the lowering, which checks the same things
+    first): a tensor the kernels would misread gets an error naming it before anything compiles or
+    launches; the same call with the good tensor passes the checks (and reaches the GPU-only part)."""
+    op, name, bad, (error, message) = BAD_DIRECT_CALLS[case]
+    args = _direct_args(op)
+    kw = dict(activation="silu", alpha=1.0, limit=7.0, gate_layout="concat") if op == "gate_up" else {}
+    call = getattr(interface, op)
+    with pytest.raises(error, match=message):
+        call(*{**args, name: bad(args)}.values(), **kw)
+    with pytest.raises((AssertionError, RuntimeError)) as past_checks:
+        call(*args.values(), **kw)  # past every check, it needs a CUDA device
+    assert "the kernels" not in str(past_checks.value)

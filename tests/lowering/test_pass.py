@@ -591,7 +591,7 @@ def test_kernel_interface_rejects_misaligned_tensors_before_launching():
     assert interface.misaligned(x=x, bias=None) is None
     with pytest.raises(ValueError, match="topk_weights: its address is 8 bytes past a 16-byte boundary"):
         interface.down_reduce(
-            torch.empty(8, 64), torch.empty(2, 64, 64), None, torch.zeros(3, dtype=torch.int32),
+            torch.empty(8, 64, dtype=torch.bfloat16), torch.empty(2, 64, 64, dtype=torch.bfloat16), None, torch.zeros(3, dtype=torch.int32),
             torch.zeros(8, dtype=torch.int32), torch.empty(5, 2)[1:], torch.zeros(8, dtype=torch.int32),
         )  # fmt: skip
 
