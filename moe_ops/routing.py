@@ -135,7 +135,9 @@ def route(
     _checks.expect_dtype("router_logits", router_logits, _checks.FLOAT_DTYPES)
     _checks.expect_choice("scoring", scoring, SCORING)
     num_experts = router_logits.shape[1]
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= num_experts:
+    if not isinstance(top_k, int) or isinstance(top_k, bool):
+        raise TypeError(f"top_k: got {type(top_k).__name__} {top_k!r}; allowed: an int in [1, E={num_experts}]")
+    if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k: got {top_k!r}; allowed: an int in [1, E={num_experts}]")
     if not isinstance(renormalize, bool):
         # The op's schema takes a bool: None would silently mean False, anything else a RuntimeError.
@@ -147,7 +149,7 @@ def route(
         )
     for name, v in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-            raise ValueError(f"{name}: got {v!r}; allowed: an int or None")
+            raise TypeError(f"{name}: got {type(v).__name__} {v!r}; allowed: an int or None")
     if not isinstance(routed_scaling_factor, Real) or isinstance(routed_scaling_factor, bool):
         raise TypeError(
             f"routed_scaling_factor: expected a real number, got {type(routed_scaling_factor).__name__} {routed_scaling_factor!r}"
