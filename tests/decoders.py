@@ -49,11 +49,13 @@ def decode_e8m0(t: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64).reshape(t.shape)
 
 
-def expand(scale: torch.Tensor, group: GroupShape, rows: int, cols: int) -> torch.Tensor:
-    """[E, R/gr, C/gc] -> [E, R, C] with each group's scale repeated."""
-    gr = rows if group.rows == -1 else group.rows
-    gc = cols if group.cols == -1 else group.cols
-    return scale.repeat_interleave(gr, dim=1)[:, :rows].repeat_interleave(gc, dim=2)[:, :, :cols]
+def expand(scale: torch.Tensor, group, rows: int, cols: int) -> torch.Tensor:
+    """[..., R/gr, C/gc] -> [..., R, C] with each group's scale repeated; group: a GroupShape or
+    (rows, cols), -1 for the whole dimension."""
+    group_rows, group_cols = (group.rows, group.cols) if isinstance(group, GroupShape) else group
+    gr = rows if group_rows == -1 else group_rows
+    gc = cols if group_cols == -1 else group_cols
+    return scale.repeat_interleave(gr, dim=-2)[..., :rows, :].repeat_interleave(gc, dim=-1)[..., :cols]
 
 
 def decode_weight(q: torch.Tensor, wq: WeightQuant | None, scale=None, global_scale=None, zero=None) -> torch.Tensor:

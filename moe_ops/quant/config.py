@@ -286,7 +286,7 @@ _WEIGHT_QUANTIZERS = {
 }
 
 
-_WEIGHT_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_WEIGHT_INPUT_DTYPES = (*_checks.FLOAT_DTYPES, torch.float64)
 
 
 def _check_float_weight(name: str, w) -> None:
@@ -306,7 +306,6 @@ def _check_weight_groups(name: str, w: torch.Tensor, wq: WeightQuant) -> None:
         )
 
 
-@torch.no_grad()
 def quantize_weight(w: torch.Tensor, wq: WeightQuant, name: str = "w") -> dict[str, torch.Tensor | None]:
     """float [E, N, K] -> {"q": storage, "scale": ..., "global_scale": ..., "zero": ...} for wq. Every
     tensor comes back contiguous (whatever w's layout: a transposed checkpoint view included) and
@@ -315,14 +314,19 @@ def quantize_weight(w: torch.Tensor, wq: WeightQuant, name: str = "w") -> dict[s
         raise TypeError(f"wq: expected a WeightQuant, got {type(wq).__name__}")
     _check_float_weight(name, w)
     _check_weight_groups(name, w, wq)
+    return _quantize_checked(w, wq)
+
+
+@torch.no_grad()
+def _quantize_checked(w: torch.Tensor, wq: WeightQuant) -> dict[str, torch.Tensor | None]:
+    """quantize_weight after its checks (quantize_weights checks both weights before quantizing either)."""
     out = {"global_scale": None, "zero": None, **_WEIGHT_QUANTIZERS[wq.dtype](w, wq)}
     return {key: (t if t is None else t.contiguous()) for key, t in out.items()}
 
 
 def _check_calibration(calibration, hidden: int) -> None:
     _checks.expect_tensor("calibration", calibration)
-    if calibration.dtype not in _WEIGHT_INPUT_DTYPES:
-        raise TypeError(f"calibration: dtype {calibration.dtype} is not allowed; allowed: float32, float16, bfloat16, float64")
+    _checks.expect_dtype("calibration", calibration, _WEIGHT_INPUT_DTYPES)
     if calibration.dim() < 1 or calibration.shape[-1] != hidden or calibration.numel() == 0:
         raise ValueError(
             f"calibration: expected sample activations [T, H] with T >= 1 and H={hidden} (w13's last dim), "
@@ -370,7 +374,7 @@ def quantize_weights(
         _check_calibration(calibration, hidden)
     _check_weight_groups("w13", w13, scheme.weight)
     _check_weight_groups("w2", w2, scheme.weight)
-    q13, q2 = quantize_weight(w13, scheme.weight, "w13"), quantize_weight(w2, scheme.weight, "w2")
+    q13, q2 = _quantize_checked(w13, scheme.weight), _quantize_checked(w2, scheme.weight)
     extra = {}
     if needs_calibration:
         with torch.no_grad():

@@ -23,7 +23,7 @@ from moe_ops.quant import (
 )
 from moe_ops.quant.quantize import quantize
 
-from ..decoders import decode_e4m3, decode_weight
+from ..decoders import decode_e4m3, decode_weight, expand
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -48,12 +48,6 @@ def _group_amax64(x: torch.Tensor, group) -> torch.Tensor:
             if blk.numel():
                 out[..., i, j] = blk.amax(dim=(-2, -1))
     return out
-
-
-def _expand64(scale, group, rows, cols):
-    gr = rows if group[0] == -1 else group[0]
-    gc = cols if group[1] == -1 else group[1]
-    return scale.double().repeat_interleave(gr, dim=-2)[..., :rows, :].repeat_interleave(gc, dim=-1)[..., :cols]
 
 
 # ---- moe_ops::quantize, fp8 and int8: values against float64 ------------------------------------
@@ -89,7 +83,7 @@ def test_activation_quantize_matches_float64(fmt, group, static, dtype):
     else:
         ref_scale = _group_amax64(x, group) / qmax
         assert torch.allclose(s.double(), ref_scale, rtol=1e-6, atol=0)
-    v = x.double() / _expand64(s, group, m, k).expand(m, k)  # with the scale the op actually used
+    v = x.double() / expand(s.double(), group, m, k).expand(m, k)  # with the scale the op actually used
     if fmt == "fp8":
         ref = v.clamp(-448, 448).to(torch.float8_e4m3fn).double()  # float64 -> e4m3, round to nearest even
         got = decode_e4m3(q)
@@ -203,7 +197,7 @@ def test_fp8_block_weight_scales_are_ceil_blocks(n, k):
     q, s = formats.quantize_fp8(w, (128, 128))
     assert s.shape == (2, -(-n // 128), -(-k // 128))
     assert torch.allclose(s.double(), _group_amax64(w, (128, 128)) / 448, rtol=1e-6, atol=0)
-    v = w.double() / _expand64(s, (128, 128), n, k)
+    v = w.double() / expand(s.double(), (128, 128), n, k)
     assert torch.equal(decode_e4m3(q), v.clamp(-448, 448).to(torch.float8_e4m3fn).double())
 
 
@@ -231,7 +225,7 @@ def test_int4_codes_match_float64(zero_point):
     tie = ((v - v.floor()) - 0.5).abs() < 1e-5
     assert ((codes == ref) | tie).all()
     deq = decode_weight(packed, WeightQuant("int4", GroupShape(1, g), zero_point), scale, None, zero)
-    assert ((deq - w.double()).abs() <= _expand64(scale, (1, g), 5, 4 * g) * (0.5 + 1e-5)).all()
+    assert ((deq - w.double()).abs() <= expand(scale.double(), (1, g), 5, 4 * g) * (0.5 + 1e-5)).all()
 
 
 @pytest.mark.parametrize("shape", [(2, 4, 48), (2, 4, 33)])
@@ -300,7 +294,7 @@ def test_quantize_weights_shapes_dtypes_and_orientation(name):
     for q, w, s, z in ((q13, w13, cfg.w13_scale, cfg.w13_zero), (q2, w2, cfg.w2_scale, cfg.w2_zero)):
         d = decode_weight(q, wq, s, None, z)
         w = w.to(torch.bfloat16).double()
-        step = _expand64(s, group, *w.shape[1:])
+        step = expand(s.double(), group, *w.shape[1:])
         bound = step * 0.5 if wq.dtype != "fp8" else torch.maximum(w.abs() * 2.0**-4, step * 2.0**-10)
         assert ((d - w).abs() <= bound * (1 + 1e-5) + 1e-12).all()
 
