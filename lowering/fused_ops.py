@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from moe_ops.activation import ACTIVATIONS
+from moe_ops import _checks
+from moe_ops.activation import ACTIVATIONS, check_activation_recipe
 from moe_ops.activation import activation as activation_op
-from moe_ops.gemm import grouped_gemm
+from moe_ops.gemm import check_gemm_args, grouped_gemm
 from moe_ops.quant.formats import scale_shape
-from moe_ops.quant.quantize import _SCALE_DTYPE, ACTIVATION_STORAGE, quantize
-from moe_ops.reduce import weighted_reduce
+from moe_ops.quant.quantize import _SCALE_DTYPE, ACTIVATION_STORAGE, check_quantize_recipe, quantize
+from moe_ops.reduce import check_reduce_rows, weighted_reduce
 
 from . import backend
 
@@ -37,6 +38,50 @@ def _quantize_or_pass(x, dtype, group, scale, global_scale):
     if dtype == "none":
         return x, None
     return quantize(x, dtype, group, scale, global_scale)
+
+
+_QUANT_CHOICES = ("none", *ACTIVATION_STORAGE)
+
+
+def check_gate_up_args(
+    x, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
+    bias, expert_offsets, gather_idx, activation, alpha, limit, interleaved,
+    out_quant_dtype, out_quant_group, out_scale, out_global_scale, out_dtype, expert_ids=None,
+) -> None:  # fmt: skip
+    """gate_up's arguments as its stages read them (shapes, dtypes and devices, no values: safe under
+    compile), checked by the real and the fake impl alike before anything runs, so that a call the fake
+    impl traced is one the real impl accepts, on the kernels' path as on the reference's."""
+    _checks.expect_choice("a_dtype", a_dtype, _QUANT_CHOICES)
+    _checks.expect_choice("out_quant_dtype", out_quant_dtype, _QUANT_CHOICES)
+    # GEMM1 reads x as the float rows it quantizes: its K is x's width, whatever a_dtype.
+    check_gemm_args(
+        x, None, None, "none", a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
+        bias, expert_offsets, gather_idx, out_dtype, a_name="x",
+    )  # fmt: skip
+    if a_dtype != "none":
+        check_quantize_recipe(a_dtype, a_group, a_scale, a_global_scale, x.shape[1],
+                              names=("a_dtype", "a_group", "a_scale", "a_global_scale"))  # fmt: skip
+    gated = check_activation_recipe(activation, interleaved)
+    n = w.shape[1]
+    if gated and n % 2:
+        raise ValueError(f"w: {activation!r} splits GEMM1's N={n} outputs into gate and up halves; N must be even, got shape {tuple(w.shape)}")
+    if out_quant_dtype != "none":
+        check_quantize_recipe(
+            out_quant_dtype, out_quant_group, out_scale, out_global_scale, n // 2 if gated else n,
+            names=("out_quant_dtype", "out_quant_group", "out_scale", "out_global_scale"), what="the intermediate",
+        )  # fmt: skip
+    if expert_ids is not None:
+        _checks.expect_ndim("expert_ids", expert_ids, 2, "[M, k] (the routing plan's topk_ids)")
+        _checks.expect_dtype("expert_ids", expert_ids, _checks.INDEX_DTYPES)
+        if expert_ids.shape[0] != x.shape[0] or expert_ids.numel() != gather_idx.shape[0]:
+            raise ValueError(
+                f"expert_ids: expected the plan's topk_ids [M={x.shape[0]}, k] with M*k = {gather_idx.shape[0]} routed pairs, "
+                f"got shape {tuple(expert_ids.shape)}"
+            )
+    _checks.expect_same_device(
+        {"x": x, "w": w, "a_scale": a_scale, "a_global_scale": a_global_scale, "out_scale": out_scale,
+         "out_global_scale": out_global_scale, "expert_ids": expert_ids}
+    )  # fmt: skip
 
 
 def gate_up_reference(
@@ -85,6 +130,7 @@ def gate_up(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused gather + [quantize] + GEMM1 + activation + [re-quantize]; see the module docstring."""
     args = locals().copy()
+    check_gate_up_args(**args)
     choice = backend.choose_gate_up(args)
     return choice.run(args) if choice.kernel is not None else gate_up_reference(**args)
 
@@ -95,6 +141,7 @@ def _gate_up_fake(
     bias, expert_offsets, gather_idx, activation, alpha, limit, interleaved,
     out_quant_dtype, out_quant_group, out_scale, out_global_scale, out_dtype, expert_ids=None,
 ):  # fmt: skip
+    check_gate_up_args(**locals())
     rows = gather_idx.shape[0]
     n = w.shape[1]
     inter = n // 2 if ACTIVATIONS[activation][0] else n
@@ -106,6 +153,22 @@ def _gate_up_fake(
         x.new_empty((rows, inter // packing), dtype=ACTIVATION_STORAGE[out_quant_dtype]),
         x.new_empty((sr, sc), dtype=_SCALE_DTYPE[out_quant_dtype]),
     )
+
+
+def check_down_reduce_args(
+    a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
+    bias, expert_offsets, gather_idx, topk_weights, inverse, out_dtype, weights_early=False,
+) -> None:  # fmt: skip
+    """down_reduce's arguments, as check_gate_up_args: GEMM2 over a's rows, then each token's k rows,
+    which gather_idx and inverse both index ([P], P = M*k)."""
+    check_gemm_args(
+        a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
+        bias, expert_offsets, None, out_dtype,
+    )  # fmt: skip
+    check_reduce_rows(f"a {tuple(a.shape)}", a.shape[0], topk_weights, inverse, expert_offsets)
+    _checks.expect_dtype("gather_idx", gather_idx, _checks.INDEX_DTYPES)
+    _checks.expect_shape("gather_idx", gather_idx, tuple(inverse.shape), "[M*k], as inverse")
+    _checks.expect_same_device({"a": a, "gather_idx": gather_idx, "topk_weights": topk_weights, "inverse": inverse})
 
 
 def down_reduce_reference(
@@ -144,6 +207,7 @@ def down_reduce(
 ) -> torch.Tensor:
     """Fused GEMM2 + router weight + per-token reduction; see the module docstring."""
     args = locals().copy()
+    check_down_reduce_args(**args)
     choice = backend.choose_down_reduce(args)
     return choice.run(args) if choice.kernel is not None else down_reduce_reference(**args)
 
@@ -153,6 +217,5 @@ def _down_reduce_fake(
     a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
     bias, expert_offsets, gather_idx, topk_weights, inverse, out_dtype, weights_early=False,
 ):  # fmt: skip
-    torch._check(inverse.shape[0] == topk_weights.shape[0] * topk_weights.shape[1])
-    torch._check(gather_idx.shape[0] == inverse.shape[0])
+    check_down_reduce_args(**locals())
     return a.new_empty((topk_weights.shape[0], w.shape[1]), dtype=out_dtype)

@@ -70,12 +70,18 @@ def split_gate_up(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, tor
     return x[:, :half], x[:, half:]
 
 
-def check_activation_args(x: torch.Tensor, kind: str, interleaved: bool) -> bool:
-    """The op's arguments (shapes and dtypes only, no values: safe under compile); returns gated."""
+def check_activation_recipe(kind: str, interleaved: bool) -> bool:
+    """kind is a known activation and interleaved means something for it; returns gated."""
     _checks.expect_choice("kind", kind, ACTIVATIONS)
     gated = ACTIVATIONS[kind][0]
     if interleaved and not gated:
         raise ValueError(f"interleaved: {kind!r} has no gate, so interleaved=True means nothing; allowed: False")
+    return gated
+
+
+def check_activation_args(x: torch.Tensor, kind: str, interleaved: bool) -> bool:
+    """The op's arguments (shapes and dtypes only, no values: safe under compile); returns gated."""
+    gated = check_activation_recipe(kind, interleaved)
     _checks.expect_ndim("x", x, 2, "[R, 2I] (gated) or [R, I]")
     _checks.expect_dtype("x", x, _checks.FLOAT_DTYPES)
     if gated and x.shape[1] % 2:

@@ -73,16 +73,16 @@ def segment_matmul(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tenso
 
 def check_gemm_args(
     a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
-    bias, expert_offsets, gather_idx, out_dtype,
+    bias, expert_offsets, gather_idx, out_dtype, a_name="a",
 ) -> None:  # fmt: skip
     """The op's arguments (shapes, dtypes and devices only, no values: safe under compile). Quantized
     storage dtypes and scale shapes are not checked: the format strings say how to read them (a chain
-    written by hand may read int8 codes as fp8, see tests/lowering)."""
+    written by hand may read int8 codes as fp8, see tests/lowering). a_name: the caller's name for a."""
     _checks.expect_choice("a_dtype", a_dtype, _A_PACKING)
     _checks.expect_choice("w_dtype", w_dtype, _W_PACKING)
-    _checks.expect_ndim("a", a, 2, "[R, K] (or packed [R, K/2])")
+    _checks.expect_ndim(a_name, a, 2, "[R, K] (or packed [R, K/2])")
     _checks.expect_ndim("w", w, 3, "[E, N, K] (or packed [E, N, K/2])")
-    for name, t, fmt in (("a", a, a_dtype), ("w", w, w_dtype)):
+    for name, t, fmt in ((a_name, a, a_dtype), ("w", w, w_dtype)):
         if fmt == "none":
             _checks.expect_dtype(name, t, _checks.FLOAT_DTYPES)
     for name, scale, fmt in (("a_scale", a_scale, a_dtype), ("w_scale", w_scale, w_dtype)):
@@ -90,7 +90,9 @@ def check_gemm_args(
             raise ValueError(f"{name}: {fmt!r} values need their scales, got None")
     k_a, k_w = a.shape[1] * _A_PACKING[a_dtype], w.shape[2] * _W_PACKING[w_dtype]
     if k_a != k_w:
-        raise ValueError(f"a and w: K differs, a {tuple(a.shape)} ({a_dtype}) holds K={k_a}, w {tuple(w.shape)} ({w_dtype}) K={k_w}")
+        raise ValueError(
+            f"{a_name} and w: K differs, {a_name} {tuple(a.shape)} ({a_dtype}) holds K={k_a}, w {tuple(w.shape)} ({w_dtype}) K={k_w}"
+        )
     num_experts, n = w.shape[0], w.shape[1]
     _checks.expect_shape("expert_offsets", expert_offsets, (num_experts + 1,), "[E+1]")
     _checks.expect_dtype("expert_offsets", expert_offsets, _checks.INDEX_DTYPES)
@@ -103,7 +105,7 @@ def check_gemm_args(
     if out_dtype not in _checks.FLOAT_DTYPES:
         raise TypeError(f"out_dtype: got {out_dtype}; allowed: {', '.join(map(str, _checks.FLOAT_DTYPES))}")
     _checks.expect_same_device(
-        {"a": a, "w": w, "expert_offsets": expert_offsets, "gather_idx": gather_idx, "bias": bias, "a_scale": a_scale,
+        {a_name: a, "w": w, "expert_offsets": expert_offsets, "gather_idx": gather_idx, "bias": bias, "a_scale": a_scale,
          "a_global_scale": a_global_scale, "w_scale": w_scale, "w_global_scale": w_global_scale, "w_zero": w_zero}
     )  # fmt: skip
 

@@ -11,21 +11,26 @@ import torch
 from . import _checks, forward_only
 
 
-def check_reduce_args(y, topk_weights, inverse, expert_offsets) -> None:
-    """The op's arguments (shapes, dtypes and devices only, no values: safe under compile)."""
-    _checks.expect_ndim("y", y, 2, "[M*k, H]")
-    _checks.expect_dtype("y", y, _checks.FLOAT_DTYPES)
+def check_reduce_rows(rows_name: str, rows: int, topk_weights, inverse, expert_offsets) -> None:
+    """The reduction's index arguments for `rows` grouped rows (named rows_name), shapes and dtypes only."""
     _checks.expect_ndim("topk_weights", topk_weights, 2, "[M, k]")
     _checks.expect_dtype("topk_weights", topk_weights, _checks.FLOAT_DTYPES)
     m, k = topk_weights.shape
     _checks.expect_shape("inverse", inverse, (m * k,), f"[M*k] for topk_weights {tuple(topk_weights.shape)}")
     _checks.expect_dtype("inverse", inverse, _checks.INDEX_DTYPES)
-    if y.shape[0] != m * k:
-        raise ValueError(f"y: expected [M*k={m * k}, H] for topk_weights {tuple(topk_weights.shape)}, got {tuple(y.shape)}")
+    if rows != m * k:
+        raise ValueError(f"{rows_name}: expected M*k={m * k} rows for topk_weights {tuple(topk_weights.shape)}, got {rows}")
     _checks.expect_ndim("expert_offsets", expert_offsets, 1, "[E+1]")
     if expert_offsets.shape[0] < 1:
         raise ValueError(f"expert_offsets: expected [E+1] with E >= 0, got shape {tuple(expert_offsets.shape)}")
     _checks.expect_dtype("expert_offsets", expert_offsets, _checks.INDEX_DTYPES)
+
+
+def check_reduce_args(y, topk_weights, inverse, expert_offsets) -> None:
+    """The op's arguments (shapes, dtypes and devices only, no values: safe under compile)."""
+    _checks.expect_ndim("y", y, 2, "[M*k, H]")
+    _checks.expect_dtype("y", y, _checks.FLOAT_DTYPES)
+    check_reduce_rows(f"y {tuple(y.shape)}", y.shape[0], topk_weights, inverse, expert_offsets)
     _checks.expect_same_device({"y": y, "topk_weights": topk_weights, "inverse": inverse, "expert_offsets": expert_offsets})
 
 

@@ -30,28 +30,39 @@ _QUANTIZERS = {
 }
 
 
+_QUANTIZE_NAMES = ("dtype", "group", "scale", "global_scale")
+
+
+def check_quantize_recipe(dtype, group, scale, global_scale, cols, names=_QUANTIZE_NAMES, what="x") -> None:
+    """The recipe of quantizing [M, cols] values: a static scale is one per-tensor scale; nvfp4 needs its
+    global scale, takes no static scale and an even cols; the other formats take no global scale. names:
+    the caller's argument names for (dtype, group, scale, global_scale); what: the values' name."""
+    n_dtype, n_group, n_scale, n_global = names
+    _checks.expect_choice(n_dtype, dtype, ACTIVATION_STORAGE)
+    if len(group) != 2:
+        raise ValueError(f"{n_group}: got {list(group)!r}; allowed: [rows, cols]")
+    ActivationQuant(dtype, GroupShape(group[0], group[1]), static=scale is not None)  # raises on a bad group
+    if scale is not None and scale.numel() != 1:
+        raise ValueError(f"{n_scale}: a static scale is one per-tensor value, got shape {tuple(scale.shape)}")
+    if dtype == "nvfp4":
+        if cols % 2:
+            raise ValueError(f"{what}: nvfp4 packs two values per byte; K must be even, got K={cols}")
+        if global_scale is None:
+            raise ValueError(f"{n_global}: nvfp4 needs its float32 global scale [1], got None")
+        if global_scale.numel() != 1:
+            raise ValueError(f"{n_global}: expected one value [1], got shape {tuple(global_scale.shape)}")
+    elif global_scale is not None:
+        raise ValueError(f"{n_global}: only nvfp4 uses a global scale, got one for {dtype}")
+
+
 def check_quantize_args(x, dtype, group, scale, global_scale) -> None:
-    """The op's arguments (shapes and dtypes only, no values: safe under compile). A static scale is one
-    per-tensor scale; nvfp4 needs its global scale and takes no static scale; the other formats take no
-    global scale. Checked in the real and the fake impl alike, so neither accepts what the other rejects
-    (a static scale with a per-token group came back [1, 1] from the real impl and [M, 1] from the fake)."""
+    """The op's arguments (shapes and dtypes only, no values: safe under compile). Checked in the real and
+    the fake impl alike, so neither accepts what the other rejects (a static scale with a per-token group
+    came back [1, 1] from the real impl and [M, 1] from the fake)."""
     _checks.expect_choice("dtype", dtype, ACTIVATION_STORAGE)
     _checks.expect_ndim("x", x, 2, "[M, K]")
     _checks.expect_dtype("x", x, _checks.FLOAT_DTYPES)
-    if len(group) != 2:
-        raise ValueError(f"group: got {list(group)!r}; allowed: [rows, cols]")
-    ActivationQuant(dtype, GroupShape(group[0], group[1]), static=scale is not None)  # raises on a bad group
-    if scale is not None and scale.numel() != 1:
-        raise ValueError(f"scale: a static scale is one per-tensor value, got shape {tuple(scale.shape)}")
-    if dtype == "nvfp4":
-        if x.shape[1] % 2:
-            raise ValueError(f"x: nvfp4 packs two values per byte; K must be even, got shape {tuple(x.shape)}")
-        if global_scale is None:
-            raise ValueError("global_scale: nvfp4 needs its float32 global scale [1], got None")
-        if global_scale.numel() != 1:
-            raise ValueError(f"global_scale: expected one value [1], got shape {tuple(global_scale.shape)}")
-    elif global_scale is not None:
-        raise ValueError(f"global_scale: only nvfp4 uses a global scale, got one for {dtype}")
+    check_quantize_recipe(dtype, group, scale, global_scale, x.shape[1])
 
 
 @torch.library.custom_op("moe_ops::quantize", mutates_args=())

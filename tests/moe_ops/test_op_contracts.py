@@ -243,7 +243,7 @@ BAD = {
                                 ValueError, r"w_scale: 'int8' values need their scales, got None"),
     "reduce_short_inverse": (lambda: _reduce(inverse=torch.arange(5, dtype=torch.int32)), ValueError,
                              r"inverse: expected shape \(6,\) \(\[M\*k\] for topk_weights \(3, 2\)\), got \(5,\)"),
-    "reduce_y_rows": (lambda: _reduce(y=torch.randn(5, N)), ValueError, r"y: expected \[M\*k=6, H\] for topk_weights \(3, 2\), got \(5, 48\)"),
+    "reduce_y_rows": (lambda: _reduce(y=torch.randn(5, N)), ValueError, r"y \(5, 48\): expected M\*k=6 rows for topk_weights \(3, 2\), got 5"),
     "reduce_2d_offsets": (lambda: _reduce(expert_offsets=torch.tensor([[0, 6]])), ValueError, r"expert_offsets: expected 1-D \[E\+1\]"),
     "reduce_empty_offsets": (lambda: _reduce(expert_offsets=torch.zeros(0, dtype=torch.int32)), ValueError,
                              r"expert_offsets: expected \[E\+1\] with E >= 0, got shape \(0,\)"),

@@ -1,0 +1,120 @@
+"""The fused ops' argument contract: a bad argument to moe_ops::gate_up or moe_ops::down_reduce raises the
+same ValueError/TypeError, naming it, from the real impl and from the fake impl (what torch.compile
+traces). Before, the fake impls checked nothing: a call traced with, say, a bias of the wrong width
+compiled, and failed inside the reference's computation (or misread memory on the kernels' path) when
+it ran."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import moe_ops
+from lowering.fused_ops import down_reduce, gate_up
+from moe_ops.plan import routing_plan
+
+E, H, I, K_TOP, M = 4, 32, 16, 2, 3
+NONE = [-1, -1]
+
+
+def _plan():
+    gen = torch.Generator().manual_seed(0)
+    topk_weights, topk_ids = moe_ops.route(torch.randn(M, E, generator=gen), K_TOP)
+    return (topk_weights, topk_ids, *routing_plan(topk_ids, E, None))
+
+
+def _gate_up(**changes):
+    _, topk_ids, offsets, gather_idx, _ = _plan()
+    args = dict(
+        x=torch.randn(M, H), a_scale=None, a_global_scale=None, a_dtype="none", a_group=NONE,
+        w=torch.randn(E, 2 * I, H), w_scale=None, w_global_scale=None, w_zero=None, w_dtype="none", w_group=NONE,
+        bias=torch.randn(E, 2 * I), expert_offsets=offsets, gather_idx=gather_idx,
+        activation="silu", alpha=1.702, limit=7.0, interleaved=False,
+        out_quant_dtype="none", out_quant_group=NONE, out_scale=None, out_global_scale=None, out_dtype=torch.float32,
+        expert_ids=topk_ids,
+    )  # fmt: skip
+    return gate_up, list({**args, **changes}.values())
+
+
+def _down_reduce(**changes):
+    topk_weights, _, offsets, gather_idx, inverse = _plan()
+    args = dict(
+        a=torch.randn(M * K_TOP, I), a_scale=None, a_global_scale=None, a_dtype="none", a_group=NONE,
+        w=torch.randn(E, H, I), w_scale=None, w_global_scale=None, w_zero=None, w_dtype="none", w_group=NONE,
+        bias=torch.randn(E, H), expert_offsets=offsets, gather_idx=gather_idx, topk_weights=topk_weights,
+        inverse=inverse, out_dtype=torch.float32,
+    )  # fmt: skip
+    return down_reduce, list({**args, **changes}.values())
+
+
+_I32 = torch.int32
+# name -> (op and arguments, exception, message)
+BAD = {
+    "gate_up_x_width": (lambda: _gate_up(x=torch.randn(M, H + 1)), ValueError,
+                        r"x and w: K differs, x \(3, 33\) \(none\) holds K=33, w \(4, 32, 32\) \(none\) K=32"),
+    "gate_up_int_x": (lambda: _gate_up(x=torch.ones(M, H, dtype=_I32)), TypeError, r"x: dtype torch.int32 is not allowed"),
+    "gate_up_bias_width": (lambda: _gate_up(bias=torch.randn(E, 2 * I + 1)), ValueError, r"bias: expected shape \(4, 32\) \(\[E, N\]\)"),
+    "gate_up_offsets_E+2": (lambda: _gate_up(expert_offsets=torch.zeros(E + 2, dtype=_I32)), ValueError,
+                            r"expert_offsets: expected shape \(5,\) \(\[E\+1\]\), got \(6,\)"),
+    "gate_up_float_gather": (lambda: _gate_up(gather_idx=torch.zeros(M * K_TOP)), TypeError, r"gather_idx: dtype torch.float32"),
+    "gate_up_unknown_activation": (lambda: _gate_up(activation="tanh"), ValueError, r"kind: got 'tanh'; allowed: 'silu'"),
+    "gate_up_interleaved_relu2": (lambda: _gate_up(activation="relu2", interleaved=True), ValueError,
+                                  r"interleaved: 'relu2' has no gate"),
+    "gate_up_odd_gated_N": (lambda: _gate_up(w=torch.randn(E, 2 * I - 1, H), bias=None), ValueError,
+                            r"w: 'silu' splits GEMM1's N=31 outputs into gate and up halves; N must be even"),
+    "gate_up_unknown_a_dtype": (lambda: _gate_up(a_dtype="fp4"), ValueError, r"a_dtype: got 'fp4'; allowed: 'none', 'fp8'"),
+    "gate_up_fp8_bad_group": (lambda: _gate_up(a_dtype="fp8", a_group=[2, 3]), ValueError, r"ActivationQuant.group"),
+    "gate_up_nvfp4_no_global": (lambda: _gate_up(a_dtype="nvfp4", a_group=[1, 16]), ValueError,
+                                r"a_global_scale: nvfp4 needs its float32 global scale"),
+    "gate_up_out_quant_unknown": (lambda: _gate_up(out_quant_dtype="int4"), ValueError, r"out_quant_dtype: got 'int4'"),
+    "gate_up_out_scale_not_per_tensor": (lambda: _gate_up(out_quant_dtype="fp8", out_quant_group=NONE, out_scale=torch.ones(2)),
+                                         ValueError, r"out_scale: a static scale is one per-tensor value, got shape \(2,\)"),
+    "gate_up_out_global_for_fp8": (lambda: _gate_up(out_quant_dtype="fp8", out_quant_group=[1, -1], out_global_scale=torch.ones(1)),
+                                   ValueError, r"out_global_scale: only nvfp4 uses a global scale"),
+    "gate_up_ids_1d": (lambda: _gate_up(expert_ids=torch.zeros(M * K_TOP, dtype=_I32)), ValueError, r"expert_ids: expected 2-D"),
+    "gate_up_ids_float": (lambda: _gate_up(expert_ids=torch.zeros(M, K_TOP)), TypeError, r"expert_ids: dtype torch.float32"),
+    "gate_up_ids_rows": (lambda: _gate_up(expert_ids=torch.zeros(M + 1, K_TOP, dtype=_I32)), ValueError,
+                         r"expert_ids: expected the plan's topk_ids \[M=3, k\] with M\*k = 6 routed pairs, got shape \(4, 2\)"),
+    "gate_up_int_out": (lambda: _gate_up(out_dtype=torch.int32), TypeError, r"out_dtype: got torch.int32"),
+    "down_reduce_a_width": (lambda: _down_reduce(a=torch.randn(M * K_TOP, I + 1)), ValueError, r"a and w: K differs"),
+    "down_reduce_a_rows": (lambda: _down_reduce(a=torch.randn(M * K_TOP + 1, I)), ValueError,
+                           r"a \(7, 16\): expected M\*k=6 rows for topk_weights \(3, 2\), got 7"),
+    "down_reduce_short_inverse": (lambda: _down_reduce(inverse=torch.arange(M * K_TOP - 1, dtype=_I32)), ValueError,
+                                  r"inverse: expected shape \(6,\)"),
+    "down_reduce_short_gather": (lambda: _down_reduce(gather_idx=torch.arange(M * K_TOP - 1, dtype=_I32)), ValueError,
+                                 r"gather_idx: expected shape \(6,\) \(\[M\*k\], as inverse\), got \(5,\)"),
+    "down_reduce_float_gather": (lambda: _down_reduce(gather_idx=torch.zeros(M * K_TOP)), TypeError, r"gather_idx: dtype torch.float32"),
+    "down_reduce_1d_weights": (lambda: _down_reduce(topk_weights=torch.rand(M * K_TOP)), ValueError, r"topk_weights: expected 2-D"),
+    "down_reduce_bias_width": (lambda: _down_reduce(bias=torch.randn(E, H + 1)), ValueError, r"bias: expected shape \(4, 32\)"),
+    "down_reduce_int8_without_scale": (lambda: _down_reduce(a_dtype="int8", a=torch.ones(M * K_TOP, I, dtype=torch.int8)),
+                                       ValueError, r"a_scale: 'int8' values need their scales, got None"),
+    "down_reduce_meta_inverse": (lambda: _down_reduce(inverse=torch.arange(M * K_TOP, dtype=_I32, device="meta")), ValueError,
+                                 r"on meta, but"),
+}  # fmt: skip
+
+
+def _run(where: str, op, args):
+    if where == "real":
+        return op(*args)
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        return op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+
+
+@pytest.mark.parametrize("case", list(BAD))
+@pytest.mark.parametrize("where", ["real", "fake"])
+def test_fused_ops_reject_bad_args(case, where):
+    build, exc, match = BAD[case]
+    op, args = build()
+    with pytest.raises(exc, match=match):
+        _run(where, op, args)
+
+
+@pytest.mark.parametrize("build", [_gate_up, _down_reduce])
+def test_fused_ops_accept_the_base_args(build):
+    # Positive control for test_fused_ops_reject_bad_args: the base arguments run in both impls and agree.
+    op, args = build()
+    real, fake = _run("real", op, args), _run("fake", op, args)
+    real, fake = (real, fake) if isinstance(real, tuple) else ((real,), (fake,))
+    for r, f in zip(real, fake, strict=True):
+        assert (tuple(f.shape), f.dtype, f.stride()) == (tuple(r.shape), r.dtype, r.stride())
+    assert real[0].abs().sum() > 0
