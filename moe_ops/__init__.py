@@ -1,13 +1,13 @@
 """moe_ops: Mixture-of-Experts layers as torch.library custom ops (namespace moe_ops) that compile with
 torch.compile and capture in CUDA graphs, with plain-PyTorch reference kernels for every device.
 
-Public API: fused_experts, route, FusedMoE, Activation, the quantization vocabulary (moe_ops.quant),
+Public API: fused_experts, route, expert_intermediates (calibration samples for static scales), FusedMoE, Activation, the quantization vocabulary (moe_ops.quant),
 and support_table() for which backend serves which scheme where.
 """
 from . import quant
 from .activation import ACTIVATIONS, Activation
 from .backends import support_table
-from .fused_experts import fused_experts
+from .fused_experts import expert_intermediates, fused_experts
 from .quant import QuantConfig, QuantScheme
 from .integrations.transformers import install_hook as _install_transformers_hook
 from .routing import route
@@ -20,6 +20,7 @@ __all__ = [
     "FusedMoE",
     "QuantConfig",
     "QuantScheme",
+    "expert_intermediates",
     "fused_experts",
     "quant",
     "route",

@@ -187,3 +187,40 @@ def fused_experts(
         w2_bias, offsets, None, out_dtype,
     )  # fmt: skip
     return weighted_reduce(y, topk_weights, inverse, offsets)
+
+
+@torch.no_grad()
+def expert_intermediates(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str | Activation = "silu",
+    w13_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """GEMM2's inputs for float weights, for calibrating static activation scales: float32 [M*k, I], the
+    routed pairs' act(hidden_states[m] @ w13[e].T + w13_bias[e]) grouped by expert (rows of pairs on
+    other ranks are zero). hidden_states [M, H]; w13 [E, 2I, H] (or [E, I, H]) unquantized; topk_ids
+    [M, k]. Computed in float32 with the reference ops, so it can run on samples before quantizing."""
+    act = resolve_activation(activation)
+    for name, t in (("hidden_states", hidden_states), ("w13", w13), ("topk_ids", topk_ids)):
+        _checks.expect_tensor(name, t)
+    _checks.expect_ndim("hidden_states", hidden_states, 2, "[M, H]")
+    _checks.expect_ndim("w13", w13, 3, "[E, 2I, H] (or [E, I, H] without a gate)")
+    _checks.expect_ndim("topk_ids", topk_ids, 2, "[M, k]")
+    _checks.expect_dtype("w13", w13, (*_checks.FLOAT_DTYPES, torch.float64))
+    _checks.expect_dtype("topk_ids", topk_ids, _checks.INDEX_DTYPES)
+    if w13.shape[2] != hidden_states.shape[1]:
+        raise ValueError(f"w13: expected [E, N, H={hidden_states.shape[1]}] for hidden_states {tuple(hidden_states.shape)}, got {tuple(w13.shape)}")
+    if topk_ids.shape[0] != hidden_states.shape[0]:
+        raise ValueError(f"topk_ids: expected [M={hidden_states.shape[0]}, k], got {tuple(topk_ids.shape)}")
+    num_global = expert_map.shape[0] if expert_map is not None else w13.shape[0]
+    _checks.expect_values_in_range("topk_ids", topk_ids, 0, num_global, "expert ids")
+    offsets, gather_idx, _ = routing_plan(topk_ids, w13.shape[0], expert_map)
+    bias = w13_bias.float() if w13_bias is not None else None
+    h = grouped_gemm(
+        hidden_states.float(), None, None, "none", [-1, -1], w13.float(), None, None, None, "none", [-1, -1],
+        bias, offsets, gather_idx, torch.float32,
+    )  # fmt: skip
+    return activation_op(h, act.kind, float(act.alpha), float(act.limit), act.interleaved)

@@ -15,8 +15,8 @@ from torch import nn
 
 from . import _checks
 from .activation import Activation, resolve_activation
-from .fused_experts import fused_experts
-from .quant.config import QuantConfig, quantize_weights
+from .fused_experts import expert_intermediates, fused_experts
+from .quant.config import QuantConfig, needs_calibration, quantize_weights, static_activation_scales
 from .quant.scheme import UNQUANTIZED, QuantScheme
 from .routing import route
 
@@ -45,6 +45,8 @@ class FusedMoE(nn.Module):
     Routing options are those of moe_ops.route; correction_bias adds DeepSeek-V3's
     e_score_correction_bias buffer [E]; expert_bias adds w13_bias [E, 2I] and w2_bias [E, H];
     quant_config is a QuantScheme (the tensors are the module's buffers). Weights start random.
+    A scheme with static activation scales (or nvfp4 activations) takes them from sample hidden states:
+    load_weights(..., calibration=x) or calibrate(x), through the layer's router and weights.
     .to(dtype) / .half() convert the router, biases and unquantized weights; quantized weights, their
     scales and zero points keep their dtypes (device moves apply to every tensor).
     """
@@ -103,19 +105,54 @@ class FusedMoE(nn.Module):
         route(torch.zeros(1, num_experts), top_k, **self.routing)  # validates the routing options now
 
     def _set_expert_weights(self, w13: torch.Tensor, w2: torch.Tensor, calibration: torch.Tensor | None = None) -> None:
-        """Store float weights, quantizing them to the module's scheme."""
+        """Store float weights, quantizing them to the module's scheme; calibration: sample hidden states
+        for a scheme that needs_calibration (checked by the caller)."""
         if self.scheme.weight is None:
             self.w13 = nn.Parameter(w13, requires_grad=False)
             self.w2 = nn.Parameter(w2, requires_grad=False)
             self._refresh_quant_config()
             return
-        cal = calibration if calibration is not None else getattr(self, "_calibration", None)
-        q13, q2, config = quantize_weights(self.scheme, w13, w2, calibration=cal)
+        inter = None
+        if needs_calibration(self.scheme):
+            calibration = self._calibration_inputs(calibration)
+            inter = self._intermediates(calibration, w13)
+        q13, q2, config = quantize_weights(self.scheme, w13, w2, calibration=calibration, intermediate_calibration=inter)
         self.register_buffer("w13", q13)
         self.register_buffer("w2", q2)
         for name in _CONFIG_BUFFERS:
             self.register_buffer(name, getattr(config, name))
-        self._calibration = cal
+        self._refresh_quant_config()
+
+    def _calibration_inputs(self, samples) -> torch.Tensor:
+        """Sample hidden states [..., H] -> [T, H] in the router's dtype, on its device."""
+        _checks.expect_tensor("calibration", samples)
+        _checks.expect_dtype("calibration", samples, _checks.FLOAT_DTYPES)
+        if samples.dim() < 1 or samples.shape[-1] != self.hidden_size or samples.numel() == 0:
+            raise ValueError(
+                f"calibration: expected sample hidden states [..., H={self.hidden_size}] with at least one token, "
+                f"got shape {tuple(samples.shape)}"
+            )
+        weight = self.router.weight
+        return samples.detach().reshape(-1, self.hidden_size).to(device=weight.device, dtype=weight.dtype)
+
+    def _intermediates(self, x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
+        """GEMM2's inputs for tokens x [T, H] with float w13, routed by this layer's router."""
+        with torch.no_grad():
+            _, topk_ids = self.routing_for(x)
+        return expert_intermediates(x, w13, topk_ids, activation=self.activation, w13_bias=self.w13_bias)
+
+    @torch.no_grad()
+    def calibrate(self, samples: torch.Tensor) -> None:
+        """Set the static activation scales (nvfp4: global scales) from sample hidden states [..., H]:
+        GEMM1's from their amax, GEMM2's from the amax of the activation outputs of the pairs this layer's
+        router picks for them, with the current (dequantized) weights. Call it again after changing
+        the router or the weights by other means than load_weights(..., calibration=...)."""
+        if not needs_calibration(self.scheme):
+            raise ValueError(f"calibrate: scheme {self.scheme.describe()} has no static activation scales to calibrate")
+        x = self._calibration_inputs(samples)
+        scales = static_activation_scales(self.scheme, x, self._intermediates(x, self.float_weights()[0]))
+        for name, t in scales.items():
+            self.register_buffer(name, t.to(self.w13.device))
         self._refresh_quant_config()
 
     def quant_config(self) -> QuantConfig:
@@ -182,7 +219,12 @@ class FusedMoE(nn.Module):
         return out.reshape(shape)
 
     @torch.no_grad()
-    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        calibration: torch.Tensor | None = None,
+    ) -> None:
         """Load float checkpoint tensors (quantized on load for a quantized scheme).
 
         Accepts per-expert names "...experts.<e>.<part>.weight" with part gate_proj/up_proj/down_proj
@@ -192,6 +234,8 @@ class FusedMoE(nn.Module):
         ids >= num_experts, a gate for an activation without one, or per-expert and stacked tensors for
         the same projection raise ValueError. Nothing is written unless everything checks out. The layer
         keeps copies (contiguous, in its dtype and on its device), never the given tensors themselves.
+        calibration: sample hidden states [..., H], required when expert weights are loaded into a scheme
+        with static activation scales (see calibrate; they are calibrated after the router is loaded).
         """
         items = list(weights.items() if isinstance(weights, Mapping) else weights)
         per_expert: dict[tuple[str, str], dict[int, tuple[str, torch.Tensor]]] = {}
@@ -229,6 +273,13 @@ class FusedMoE(nn.Module):
         for which, t, want in (("w13", w13, current13.shape), ("w2", w2, current2.shape)):
             if t is not None and tuple(t.shape) != tuple(want):
                 raise ValueError(f"weights[{which}]: expected shape {tuple(want)}, got {tuple(t.shape)}")
+        if (w13 is not None or w2 is not None) and needs_calibration(self.scheme):
+            if calibration is None:
+                raise ValueError(
+                    f"calibration: scheme {self.scheme.describe()} has static activation scales, which must be "
+                    "calibrated for the loaded weights; pass sample hidden states [..., H] (load_weights(..., calibration=x))"
+                )
+            self._calibration_inputs(calibration)  # checked before anything is written
         for _, dest, src in copies:
             dest.copy_(src)
         if w13 is None and w2 is None:
@@ -239,7 +290,7 @@ class FusedMoE(nn.Module):
         # Always a copy: the layer must not share storage with the caller's tensors (a later in-place
         # change to the checkpoint or to the model it came from would silently change this layer).
         copy = dict(dtype=dtype, copy=True, memory_format=torch.contiguous_format)
-        self._set_expert_weights(w13.to(device=current13.device, **copy), w2.to(device=current2.device, **copy))
+        self._set_expert_weights(w13.to(device=current13.device, **copy), w2.to(device=current2.device, **copy), calibration)
 
     def _stack(self, per_expert, which: str, parts: tuple[str, ...], matrix_shape) -> torch.Tensor | None:
         """Stack per-expert tensors [rows, K] into [E, sum(rows), K]; None when none were given."""

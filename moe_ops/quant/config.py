@@ -324,17 +324,41 @@ def _quantize_checked(w: torch.Tensor, wq: WeightQuant) -> dict[str, torch.Tenso
     return {key: (t if t is None else t.contiguous()) for key, t in out.items()}
 
 
-def _check_calibration(calibration, hidden: int) -> None:
-    _checks.expect_tensor("calibration", calibration)
-    _checks.expect_dtype("calibration", calibration, _WEIGHT_INPUT_DTYPES)
-    if calibration.dim() < 1 or calibration.shape[-1] != hidden or calibration.numel() == 0:
-        raise ValueError(
-            f"calibration: expected sample activations [T, H] with T >= 1 and H={hidden} (w13's last dim), "
-            f"got shape {tuple(calibration.shape)}"
-        )
-    if _checks.value_checks_enabled() and _checks.has_values(calibration):
-        if not bool(torch.isfinite(calibration).all()):
-            raise ValueError("calibration: holds NaN or inf; static activation scales calibrated on it would be NaN/inf")
+# activation dtype -> the magnitude a static per-tensor scale maps the calibration's amax to (nvfp4's
+# global scale: the largest e4m3 block scale times the largest e2m1 value).
+_STATIC_RANGE = {"fp8": formats.FP8_MAX, "int8": formats.INT8_MAX, "nvfp4": formats.FP8_MAX * formats.E2M1_MAX}
+
+
+def _check_samples(name: str, samples, width: int, what: str) -> None:
+    _checks.expect_tensor(name, samples)
+    _checks.expect_dtype(name, samples, _WEIGHT_INPUT_DTYPES)
+    if samples.dim() < 1 or samples.shape[-1] != width or samples.numel() == 0:
+        raise ValueError(f"{name}: expected {what} with T >= 1, got shape {tuple(samples.shape)}")
+    if _checks.value_checks_enabled() and _checks.has_values(samples):
+        if not bool(torch.isfinite(samples).all()):
+            raise ValueError(f"{name}: holds NaN or inf; static activation scales calibrated on it would be NaN/inf")
+
+
+def needs_calibration(scheme: QuantScheme) -> bool:
+    """Whether the scheme's activation scales are fixed ahead of time (static scales, nvfp4's global
+    scales), so that quantizing its weights needs sample activations of both GEMMs."""
+    a = scheme.activation
+    return a is not None and (a.static or a.dtype == "nvfp4")
+
+
+@torch.no_grad()
+def static_activation_scales(scheme: QuantScheme, calibration: torch.Tensor, intermediate_calibration: torch.Tensor) -> dict:
+    """The static per-tensor activation scales (nvfp4: global scales) of a scheme that needs_calibration,
+    as QuantConfig fields: amax over each GEMM's sample inputs over the format's range, float32 [1].
+    calibration: GEMM1's inputs [..., H]; intermediate_calibration: GEMM2's inputs [..., I] (the routed
+    pairs' activation outputs, e.g. from moe_ops.expert_intermediates)."""
+    a = scheme.activation
+    key = "global_scale" if a.dtype == "nvfp4" else "scale"
+    out = {}
+    for which, samples in (("13", calibration), ("2", intermediate_calibration)):
+        amax = samples.float().abs().amax().clamp(min=1e-6)
+        out[f"a{which}_{key}"] = (amax / _STATIC_RANGE[a.dtype]).reshape(1)
+    return out
 
 
 def quantize_weights(
@@ -343,13 +367,17 @@ def quantize_weights(
     w2: torch.Tensor,
     *,
     calibration: torch.Tensor | None = None,
+    intermediate_calibration: torch.Tensor | None = None,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, QuantConfig]:
     """Quantize float expert weights w13 [E, N13, H], w2 [E, H, I] to `scheme` with the reference
-    quantizers. Returns (w13_q, w2_q, config). Static activation scales and nvfp4 activation global
-    scales are calibrated on `calibration` (sample activations [T, H]; for the second GEMM the
-    intermediate is estimated as 4x the input range, so pass real ones for production)."""
+    quantizers. Returns (w13_q, w2_q, config). A scheme with static activation scales or nvfp4
+    activations (needs_calibration) takes its scales from sample inputs of each GEMM: `calibration`
+    [T, H] (hidden states) and `intermediate_calibration` [T', I] (GEMM2's inputs: the activation
+    outputs of routed pairs, which moe_ops.expert_intermediates computes; FusedMoE does this itself).
+    Both are required there: GEMM2's input range depends on the weights and the routing, and a guess
+    saturates the fp8/int8 codes or the nvfp4 block scales."""
     if not isinstance(scheme, QuantScheme):
         raise TypeError(f"scheme: expected a QuantScheme, got {type(scheme).__name__}")
     _check_float_weight("w13", w13)
@@ -366,24 +394,26 @@ def quantize_weights(
             _checks.expect_shape(bname, bias, (num_experts, n), "[E, N]")
     if scheme.weight is None:
         return w13, w2, QuantConfig(scheme, w13_bias=w13_bias, w2_bias=w2_bias)
-    a = scheme.activation
-    needs_calibration = a is not None and (a.static or a.dtype == "nvfp4")
-    if needs_calibration:
-        if calibration is None:
-            raise ValueError(f"calibration: scheme {scheme.describe()} needs sample activations for its static scales")
-        _check_calibration(calibration, hidden)
+    calibrated = needs_calibration(scheme)
+    if calibrated:
+        intermediate = w2.shape[2]
+        samples = (
+            ("calibration", calibration, hidden, f"sample hidden states [T, H] with H={hidden} (w13's last dim)"),
+            ("intermediate_calibration", intermediate_calibration, intermediate,
+             f"GEMM2's sample inputs [T, I] with I={intermediate} (w2's last dim): the routed pairs' activation "
+             "outputs, from moe_ops.expert_intermediates"),
+        )  # fmt: skip
+        for name, t, width, what in samples:
+            if t is None:
+                raise ValueError(f"{name}: scheme {scheme.describe()} has static activation scales; it needs {what}")
+            _check_samples(name, t, width, what)
     _check_weight_groups("w13", w13, scheme.weight)
     _check_weight_groups("w2", w2, scheme.weight)
     q13, q2 = _quantize_checked(w13, scheme.weight), _quantize_checked(w2, scheme.weight)
     extra = {}
-    if needs_calibration:
-        with torch.no_grad():
-            amax = calibration.float().abs().amax().clamp(min=1e-6)
-            per_tensor = {"fp8": amax / formats.FP8_MAX, "int8": amax / formats.INT8_MAX,
-                          "nvfp4": amax / (formats.FP8_MAX * formats.E2M1_MAX)}[a.dtype]  # fmt: skip
-            key = "global_scale" if a.dtype == "nvfp4" else "scale"
-            extra[f"a13_{key}"] = per_tensor.reshape(1).to(w13.device)
-            extra[f"a2_{key}"] = (4 * per_tensor).reshape(1).to(w13.device)
+    if calibrated:
+        scales = static_activation_scales(scheme, calibration, intermediate_calibration)
+        extra = {name: t.to(w13.device) for name, t in scales.items()}
     config = QuantConfig(
         scheme,
         w13_scale=q13["scale"], w2_scale=q2["scale"],

@@ -53,7 +53,8 @@ def float_weights(e, h, i, dtype=torch.float32, gated=True):
 def quantized(scheme, e=4, h=256, i=128, dtype=torch.float32):
     w13, w2 = float_weights(e, h, i)
     x = torch.randn(16, h)
-    q13, q2, config = Q.quantize_weights(scheme, w13, w2, calibration=x)
+    inter = moe_ops.expert_intermediates(x, w13, routing(16, e, 2)[1])
+    q13, q2, config = Q.quantize_weights(scheme, w13, w2, calibration=x, intermediate_calibration=inter)
     return Experts(q13, q2, config=config), h, e, dtype
 
 

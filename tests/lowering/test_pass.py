@@ -663,7 +663,9 @@ def build_layer(recipe: str, m: int):
         w13, w2 = w13.to(dtype), w2.to(dtype)
         if column_major:
             w13 = w13.transpose(1, 2).contiguous().transpose(1, 2)
-    q13, q2, config = Q.quantize_weights(scheme, w13, w2, calibration=torch.randn(16, H), w13_bias=b13, w2_bias=b2)
+    cal = torch.randn(16, H)
+    inter = moe_ops.expert_intermediates(cal, w13, moe_ops.route(torch.randn(16, E), TOP_K)[1], activation=act, w13_bias=b13)
+    q13, q2, config = Q.quantize_weights(scheme, w13, w2, calibration=cal, intermediate_calibration=inter, w13_bias=b13, w2_bias=b2)
     t13, t2 = config.gemm("13"), config.gemm("2")
     aq, wq = scheme.activation, scheme.weight
     a_dtype, a_group = ("none", [-1, -1]) if aq is None else (aq.dtype, list(aq.group.astuple()))

@@ -308,7 +308,11 @@ QH, QI = 64, 32  # mxfp4 groups of 32 along K need K >= 32
 
 def _quantized(scheme, calibration=None):
     kw = _inputs(h=QH, i=QI)
-    q13, q2, config = quant.quantize_weights(scheme, kw["w13"], kw["w2"], calibration=calibration)
+    inter = None
+    if calibration is not None:  # GEMM2's inputs: expert 0's SwiGLU of the calibration tokens (no op may run here)
+        gate, up = (calibration @ kw["w13"][0].T).chunk(2, dim=1)
+        inter = torch.nn.functional.silu(gate) * up
+    q13, q2, config = quant.quantize_weights(scheme, kw["w13"], kw["w2"], calibration=calibration, intermediate_calibration=inter)
     return {**kw, "w13": q13, "w2": q2, "quant_config": config}
 
 
@@ -472,7 +476,10 @@ BAD_VOCAB = [
     ("quantize_weights_scheme_type", lambda: quant.quantize_weights("fp8", torch.ones(E, 2 * I, H), torch.ones(E, H, I)),
      TypeError, r"scheme: expected a QuantScheme, got str"),
     ("quantize_weights_no_calibration", lambda: quant.quantize_weights(FP8_STATIC, torch.ones(E, 2 * I, H), torch.ones(E, H, I)),
-     ValueError, r"calibration: scheme fp8_w8a8_per_tensor .* needs sample activations"),
+     ValueError, r"calibration: scheme fp8_w8a8_per_tensor .* has static activation scales; it needs sample hidden states \[T, H\]"),
+    ("quantize_weights_no_intermediate_calibration",
+     lambda: quant.quantize_weights(FP8_STATIC, torch.ones(E, 2 * I, H), torch.ones(E, H, I), calibration=torch.randn(2, H)),
+     ValueError, r"intermediate_calibration: scheme fp8_w8a8_per_tensor .* needs GEMM2's sample inputs \[T, I\]"),
 ]
 
 
@@ -502,7 +509,8 @@ def test_every_factory_builds_its_scheme(name):
     }
     scheme = schemes[name]
     assert scheme.name == name
-    _, _, cfg = quant.quantize_weights(scheme, torch.randn(E, 2 * 128, 128), torch.randn(E, 128, 128), calibration=torch.randn(4, 128))
+    _, _, cfg = quant.quantize_weights(scheme, torch.randn(E, 2 * 128, 128), torch.randn(E, 128, 128), calibration=torch.randn(4, 128),
+                                       intermediate_calibration=torch.randn(4, 128))  # fmt: skip
     args = {
         "unquantized": lambda c: (),
         "fp8_w8a8_per_tensor": lambda c: (c.w13_scale, c.w2_scale),

@@ -278,7 +278,8 @@ def _quant_layer(case, dtype, m=None, num_experts=5, top_k=2):
     biases = {}
     if case in BIASED:
         biases = dict(w13_bias=torch.randn(num_experts, 2 * inter).to(dtype), w2_bias=torch.randn(num_experts, hidden).to(dtype))
-    q13, q2, config = quantize_weights(scheme, w13.to(dtype), w2.to(dtype), calibration=x, **biases)
+    inter = moe_ops.expert_intermediates(x, w13.to(dtype), ids, w13_bias=biases.get("w13_bias"))
+    q13, q2, config = quantize_weights(scheme, w13.to(dtype), w2.to(dtype), calibration=x, intermediate_calibration=inter, **biases)
     assert config.name == scheme.name
     wq = scheme.weight
     d13 = decode_weight(q13, wq, config.w13_scale, config.w13_global_scale, config.w13_zero)

@@ -159,7 +159,7 @@ def _gemm_args(fmt: str, m: int, gather: bool, bias: bool, dtype: torch.dtype):
     else:
         scheme = QuantScheme(aq, wq)
         cal = torch.randn(8, K_DIM)
-        wt, _, cfg = quantize_weights(scheme, w, torch.randn(E, K_DIM, N_DIM), calibration=cal)
+        wt, _, cfg = quantize_weights(scheme, w, torch.randn(E, K_DIM, N_DIM), calibration=cal, intermediate_calibration=torch.randn(8, N_DIM))
         w_scale, w_global, w_zero = cfg.w13_scale, cfg.w13_global_scale, cfg.w13_zero
         w_dtype, w_group = wq.dtype, list(wq.group.astuple())
     ids = random_ids(m, TOP_K, E)

@@ -263,11 +263,12 @@ def _weights(gated=True):
 def test_quantize_weights_shapes_dtypes_and_orientation(name):
     """Every returned tensor: w13 [E, 2I, H/p], w2 [E, H, I/p]; scales [E, cdiv(N, gr), cdiv(K, gc)]
     with N the output rows and K the reduction dim of each GEMM (w2's groups run along I); static
-    activation scales [1] float32, amax / max over the calibration (x4 for the second GEMM)."""
+    activation scales [1] float32, amax / max over each GEMM's calibration samples."""
     scheme = WEIGHT_SCHEMES[name]
     w13, w2 = _weights()
-    cal = _x(16, H)
-    q13, q2, cfg = quantize_weights(scheme, w13.to(torch.bfloat16), w2.to(torch.bfloat16), calibration=cal)
+    cal, inter = _x(16, H), 3 * _x(24, I)
+    q13, q2, cfg = quantize_weights(scheme, w13.to(torch.bfloat16), w2.to(torch.bfloat16), calibration=cal,
+                                    intermediate_calibration=inter)  # fmt: skip
     wq = scheme.weight
     p = wq.packing
     assert q13.dtype == q2.dtype == wq.storage
@@ -283,10 +284,9 @@ def test_quantize_weights_shapes_dtypes_and_orientation(name):
         assert cfg.w13_zero is None and cfg.w2_zero is None
     if scheme.activation is not None and scheme.activation.static:
         qmax = 448.0 if scheme.activation.dtype == "fp8" else 127.0
-        amax = cal.double().abs().amax()
-        assert cfg.a13_scale.shape == (1,) and cfg.a13_scale.dtype == torch.float32
-        assert torch.allclose(cfg.a13_scale.double(), amax / qmax, rtol=1e-6)
-        assert torch.allclose(cfg.a2_scale.double(), 4 * amax / qmax, rtol=1e-6)
+        assert cfg.a13_scale.shape == cfg.a2_scale.shape == (1,) and cfg.a13_scale.dtype == cfg.a2_scale.dtype == torch.float32
+        assert torch.allclose(cfg.a13_scale.double(), cal.double().abs().amax() / qmax, rtol=1e-6)
+        assert torch.allclose(cfg.a2_scale.double(), inter.double().abs().amax() / qmax, rtol=1e-6)
     else:
         assert cfg.a13_scale is None and cfg.a2_scale is None
     cfg.check_weights(q13, q2, H, I, 2 * I)
@@ -308,9 +308,9 @@ def test_quantize_weights_of_column_major_weights_are_contiguous(name):
     w13, w2 = _weights()
     w13_cm, w2_cm = w13.transpose(1, 2).contiguous().transpose(1, 2), w2.transpose(1, 2).contiguous().transpose(1, 2)
     assert not w13_cm.is_contiguous()
-    cal = _x(16, H)
-    q13, q2, cfg = quantize_weights(scheme, w13_cm, w2_cm, calibration=cal)
-    r13, r2, ref = quantize_weights(scheme, w13, w2, calibration=cal)
+    cal = dict(calibration=_x(16, H), intermediate_calibration=_x(16, I))
+    q13, q2, cfg = quantize_weights(scheme, w13_cm, w2_cm, **cal)
+    r13, r2, ref = quantize_weights(scheme, w13, w2, **cal)
     for t in (q13, q2, *(v for v in cfg.tensors().values() if v is not None)):
         assert t.is_contiguous()
     as_bytes = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
@@ -329,7 +329,7 @@ def test_quantize_weights_of_parameters_carry_no_autograd_history(name):
     the graph and making the layer's output require grad. Now plain tensors."""
     w13, w2 = (torch.nn.Parameter(w) for w in _weights())
     cal = _x(8, H).requires_grad_()
-    q13, q2, cfg = quantize_weights(WEIGHT_SCHEMES[name], w13, w2, calibration=cal)
+    q13, q2, cfg = quantize_weights(WEIGHT_SCHEMES[name], w13, w2, calibration=cal, intermediate_calibration=_x(8, I))
     for t in (q13, q2, *(v for v in cfg.tensors().values() if v is not None)):
         assert not t.requires_grad and t.grad_fn is None
     tw, ti = moe_ops.route(torch.randn(3, E), 2)
@@ -371,7 +371,7 @@ BAD_QUANTIZE_WEIGHTS = {
     "bias_shape": (FP8_TOKEN, lambda w13, w2: (w13, w2), dict(w2_bias=torch.zeros(E, H + 1)), ValueError,
                    r"w2_bias: expected shape \(3, 256\)"),
     "calibration_empty": (FP8_STATIC, lambda w13, w2: (w13, w2), dict(calibration=torch.randn(0, H)), ValueError,
-                          r"calibration: expected sample activations \[T, H\] with T >= 1 and H=256"),
+                          r"calibration: expected sample hidden states \[T, H\] with H=256 \(w13's last dim\) with T >= 1, got shape \(0, 256\)"),
     "calibration_width": (FP8_STATIC, lambda w13, w2: (w13, w2), dict(calibration=torch.randn(8, H // 2)), ValueError,
                           r"calibration: .* got shape \(8, 128\)"),
     "calibration_list": (FP8_STATIC, lambda w13, w2: (w13, w2), dict(calibration=[[1.0] * H]), TypeError,
@@ -383,6 +383,12 @@ BAD_QUANTIZE_WEIGHTS = {
     "calibration_inf": (WEIGHT_SCHEMES["int8_w8a8_static"], lambda w13, w2: (w13, w2),
                         dict(calibration=torch.randn(4, H).index_fill_(1, torch.tensor([7]), float("inf"))),
                         ValueError, r"calibration: holds NaN or inf"),
+    "intermediate_missing": (FP8_STATIC, lambda w13, w2: (w13, w2), dict(calibration=torch.randn(4, H), intermediate_calibration=None),
+                             ValueError, r"intermediate_calibration: scheme fp8_w8a8_per_tensor .* needs GEMM2's sample inputs \[T, I\] with I=128"),
+    "intermediate_width": (WEIGHT_SCHEMES["int8_w8a8_static"], lambda w13, w2: (w13, w2), dict(intermediate_calibration=torch.randn(4, H)),
+                           ValueError, r"intermediate_calibration: expected GEMM2's sample inputs \[T, I\] with I=128 .* got shape \(4, 256\)"),
+    "intermediate_nan": (FP8_STATIC, lambda w13, w2: (w13, w2), dict(intermediate_calibration=torch.full((4, I), float("nan"))),
+                         ValueError, r"intermediate_calibration: holds NaN or inf"),
 }  # fmt: skip
 
 
@@ -394,6 +400,9 @@ def test_quantize_weights_rejects(case):
     AttributeError)."""
     scheme, edit, kw, exc, match = BAD_QUANTIZE_WEIGHTS[case]
     w13, w2 = edit(*_weights())
+    # valid samples for whatever the case does not replace
+    if "calibration" in kw or "intermediate_calibration" in kw:
+        kw = {"calibration": _x(4, H), "intermediate_calibration": _x(4, I), **kw}
     with pytest.raises(exc, match=match):
         quantize_weights(scheme, w13, w2, **kw)
 
@@ -401,9 +410,10 @@ def test_quantize_weights_rejects(case):
 def test_quantize_weights_accepts_meta_calibration_and_ungated_w13():
     """Positive controls: the meta-device init path (no values to check) and w13 [E, I, H]."""
     w13, w2 = _weights(gated=False)
-    q13, q2, cfg = quantize_weights(FP8_STATIC, w13.to("meta"), w2.to("meta"), calibration=torch.randn(4, H, device="meta"))
+    q13, q2, cfg = quantize_weights(FP8_STATIC, w13.to("meta"), w2.to("meta"), calibration=torch.randn(4, H, device="meta"),
+                                    intermediate_calibration=torch.randn(4, I, device="meta"))  # fmt: skip
     assert q13.shape == (E, I, H) and cfg.a13_scale.device.type == "meta"
-    q13, q2, cfg = quantize_weights(FP8_STATIC, w13, w2, calibration=_x(4, H))
+    q13, q2, cfg = quantize_weights(FP8_STATIC, w13, w2, calibration=_x(4, H), intermediate_calibration=_x(4, I))
     cfg.check_weights(q13, q2, H, I, I)
 
 

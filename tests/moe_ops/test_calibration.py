@@ -1,0 +1,203 @@
+"""Static activation scales (fp8/int8 per-tensor static, nvfp4's global scales): expert_intermediates
+against a float64 re-computation, and FusedMoE calibrating them from sample hidden states through its
+router (load_weights(..., calibration=x), calibrate(x)).
+
+Before, FusedMoE calibrated once, at construction, on torch.randn(64, H), kept those scales for any
+weights load_weights brought, and guessed GEMM2's input range as 4x GEMM1's: hidden states of
+magnitude 20 came out 94-99% wrong (fp8 static, nvfp4 w4a4), silently."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moe_ops
+from moe_ops.quant import PER_CHANNEL, PER_TENSOR, ActivationQuant, GroupShape, QuantScheme, WeightQuant
+from moe_ops.reference import relative_error, tolerance
+
+from ..decoders import decode_weight
+from ..seeds import generator
+
+E, TOP_K, H, I = 8, 2, 128, 64
+STATIC = {
+    "fp8_per_tensor_static": QuantScheme(ActivationQuant("fp8", PER_TENSOR, static=True), WeightQuant("fp8", PER_TENSOR)),
+    "int8_w8a8_static": QuantScheme(ActivationQuant("int8", PER_TENSOR, static=True), WeightQuant("int8", PER_CHANNEL)),
+    "nvfp4_w4a4": QuantScheme(ActivationQuant("nvfp4", GroupShape(1, 16)), WeightQuant("nvfp4", GroupShape(1, 16))),
+}
+# activation format -> the value a static scale maps amax to (nvfp4: largest e4m3 block scale x largest e2m1)
+RANGE = {"fp8": 448.0, "int8": 127.0, "nvfp4": 448.0 * 6.0}
+# The allowed relative error against the float64 layer without activation quantization. int8 gets 1%
+# over tolerance()'s 3%: one static step, amax / 127 of GEMM2's heavy-tailed SwiGLU outputs, gives 2.4%
+# on average here (2.9% at most over 30 seeds). The uncalibrated scales gave 94-99%.
+BOUND = {"fp8": tolerance(torch.float32, "fp8"), "int8": tolerance(torch.float32, "int8") + 0.01, "nvfp4": tolerance(torch.float32, "nvfp4")}
+DYNAMIC = QuantScheme(ActivationQuant("fp8", GroupShape(1, -1)), WeightQuant("fp8", PER_CHANNEL))
+
+
+def _layer(scheme) -> moe_ops.FusedMoE:
+    return moe_ops.FusedMoE(E, TOP_K, H, I, quant_config=scheme, dtype=torch.float32)
+
+
+def _float_experts(seed: int, gain: float = 3.0):
+    """w13 [E, 2I, H] (scaled by gain, so GEMM2's inputs are far from GEMM1's range), w2 [E, H, I]."""
+    g = generator(seed)
+    return gain * torch.randn(E, 2 * I, H, generator=g) / math.sqrt(H), torch.randn(E, H, I, generator=g) / math.sqrt(I)
+
+
+def _intermediates64(x, w13, ids, bias=None) -> torch.Tensor:
+    """float64 [M*k, I]: SwiGLU(x[m] @ w13[e].T + bias[e]) of each (token, expert) pair, in pair order."""
+    rows = []
+    for m in range(x.shape[0]):
+        for e in ids[m].tolist():
+            pre = x[m].double() @ w13[e].double().T + (bias[e].double() if bias is not None else 0.0)
+            gate, up = pre.chunk(2)
+            rows.append(F.silu(gate) * up)
+    return torch.stack(rows)
+
+
+def _reference(layer, x) -> torch.Tensor:
+    """The layer's stored weights decoded in float64 (tests/decoders.py) and its routing, without
+    activation quantization."""
+    c, wq = layer.quant_config(), layer.scheme.weight
+    w13 = decode_weight(layer.w13, wq, c.w13_scale, c.w13_global_scale, c.w13_zero)
+    w2 = decode_weight(layer.w2, wq, c.w2_scale, c.w2_global_scale, c.w2_zero)
+    with torch.no_grad():
+        tw, ti = layer.routing_for(x)
+    return moe_ops.reference.moe_float64(x, w13, w2, tw, ti, activation=layer.activation)
+
+
+def _act_scales(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    c = layer.quant_config()
+    if layer.scheme.activation.dtype == "nvfp4":
+        return c.a13_global_scale, c.a2_global_scale
+    return c.a13_scale, c.a2_scale
+
+
+# ---- expert_intermediates ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_expert_intermediates_against_float64(dtype, with_bias):
+    g = generator(11)
+    x = torch.randn(9, H, generator=g).to(dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / math.sqrt(H)).to(dtype)
+    bias = torch.randn(E, 2 * I, generator=g).to(dtype) if with_bias else None
+    _, ids = moe_ops.route(torch.randn(9, E, generator=g), TOP_K)
+    out = moe_ops.expert_intermediates(x, w13, ids, w13_bias=bias)
+    assert out.shape == (9 * TOP_K, I) and out.dtype == torch.float32
+    want = _intermediates64(x, w13, ids, bias)
+    # grouped by expert: compare as multisets of rows, sorted by their first value
+    order = lambda t: t[t[:, 0].argsort()]  # noqa: E731
+    assert relative_error(order(out.double()), order(want)) <= 1e-6
+
+
+def test_expert_intermediates_rejects_bad_args():
+    x, w13 = torch.randn(3, H), torch.randn(E, 2 * I, H)
+    ids = torch.zeros(3, TOP_K, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"w13: expected \[E, N, H=128\] for hidden_states \(3, 128\), got \(8, 128, 64\)"):
+        moe_ops.expert_intermediates(x, w13[:, :, : H // 2], ids)
+    with pytest.raises(ValueError, match=r"topk_ids: expected \[M=3, k\], got \(4, 2\)"):
+        moe_ops.expert_intermediates(x, w13, torch.zeros(4, TOP_K, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"w13: dtype torch.int8 is not allowed"):
+        moe_ops.expert_intermediates(x, w13.to(torch.int8), ids)
+    with pytest.raises(ValueError, match=r"topk_ids: value 8 is outside \[0, 8\)"):
+        moe_ops.expert_intermediates(x, w13, torch.full((3, TOP_K), E, dtype=torch.int32))
+
+
+# ---- FusedMoE ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(STATIC))
+def test_load_weights_calibrates_static_scales(name):
+    """The scales come from the given hidden states (GEMM1) and from GEMM2's inputs of the pairs the
+    layer's router picks for them, with the loaded weights; the layer is then accurate on hidden states
+    of that magnitude (20x the construction's samples)."""
+    scheme = STATIC[name]
+    layer = _layer(scheme)
+    w13, w2 = _float_experts(seed=5)
+    x = 20 * torch.randn(128, H, generator=generator(6))
+    layer.load_weights({"w13": w13, "w2": w2}, calibration=x)
+    top = RANGE[scheme.activation.dtype]
+    _, ids = layer.routing_for(x)
+    a13, a2 = _act_scales(layer)
+    assert a13.shape == a2.shape == (1,) and a13.dtype == a2.dtype == torch.float32
+    assert torch.allclose(a13.double(), x.double().abs().max() / top, rtol=1e-6)
+    assert torch.allclose(a2.double(), _intermediates64(x, w13, ids).abs().max() / top, rtol=1e-5)
+    # Checked on the calibration tokens: fresh ones may pass their amax and clip, as static scales do.
+    with torch.no_grad():
+        out = layer(x)
+    assert relative_error(out, _reference(layer, x)) <= BOUND[scheme.activation.dtype]
+
+
+@pytest.mark.parametrize("name", list(STATIC))
+def test_load_weights_without_calibration_is_rejected(name):
+    """Loading expert weights into a static scheme without samples raises before anything is written
+    (router included); a router-only load needs none."""
+    layer = _layer(STATIC[name])
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    w13, w2 = _float_experts(seed=8)
+    weights = {"w13": w13, "w2": w2, "gate.weight": torch.randn(E, H)}
+    with pytest.raises(ValueError, match=r"calibration: scheme .* has static activation scales, which must be calibrated"):
+        layer.load_weights(weights)
+    with pytest.raises(ValueError, match=r"calibration: expected sample hidden states \[\.\.\., H=128\] .* got shape \(5, 64\)"):
+        layer.load_weights(weights, calibration=torch.randn(5, H // 2))
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
+                           before[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else before[k]), f"{k} changed"  # fmt: skip
+    layer.load_weights({"gate.weight": torch.randn(E, H)})
+
+
+@pytest.mark.parametrize("name", list(STATIC))
+def test_calibrate_sets_the_scales_for_new_hidden_states(name):
+    """calibrate(x) re-calibrates the current weights for hidden states of another magnitude: the
+    scales are then x's (and GEMM2's inputs') amax, and the output accurate."""
+    scheme = STATIC[name]
+    layer = _layer(scheme)
+    w13, w2 = _float_experts(seed=9)
+    layer.load_weights({"w13": w13, "w2": w2}, calibration=torch.randn(32, H, generator=generator(10)))
+    x = 40 * torch.randn(128, H, generator=generator(12))
+    layer.calibrate(x.reshape(4, 32, H))  # any leading shape
+    a13, a2 = _act_scales(layer)
+    top = RANGE[scheme.activation.dtype]
+    assert torch.allclose(a13.double(), x.double().abs().max() / top, rtol=1e-6)
+    _, ids = layer.routing_for(x)
+    c, wq = layer.quant_config(), layer.scheme.weight
+    d13 = decode_weight(layer.w13, wq, c.w13_scale, c.w13_global_scale, c.w13_zero)  # calibrate reads the stored weights
+    assert torch.allclose(a2.double(), _intermediates64(x, d13, ids).abs().max() / top, rtol=1e-5)
+    with torch.no_grad():
+        out = layer(x)
+    assert relative_error(out, _reference(layer, x)) <= BOUND[scheme.activation.dtype]
+
+
+def test_calibrate_needs_a_static_scheme():
+    with pytest.raises(ValueError, match=r"calibrate: scheme fp8_w8a8_per_token .* has no static activation scales"):
+        _layer(DYNAMIC).calibrate(torch.randn(4, H))
+    with pytest.raises(ValueError, match=r"calibrate: scheme unquantized .* has no static activation scales"):
+        _layer(None).calibrate(torch.randn(4, H))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(STATIC))
+def test_calibration_on_cuda_matches_the_cpu(name):
+    """The same layer, weights and samples calibrate to the same scales on CUDA (the routing plan's
+    Triton kernel, the CUDA grouped GEMM) as on the CPU, and the CUDA layer is as accurate."""
+    scheme = STATIC[name]
+    cpu = _layer(scheme)
+    gpu = _layer(scheme).cuda()
+    with torch.no_grad():
+        gpu.router.weight.copy_(cpu.router.weight)
+    w13, w2 = _float_experts(seed=13)
+    x = 20 * torch.randn(128, H, generator=generator(14))
+    cpu.load_weights({"w13": w13, "w2": w2}, calibration=x)
+    gpu.load_weights({"w13": w13, "w2": w2}, calibration=x.cuda())
+    for c, g in zip(_act_scales(cpu), _act_scales(gpu)):
+        assert g.is_cuda and torch.allclose(g.cpu(), c, rtol=1e-5)
+    gpu.calibrate(x.cuda())
+    cpu.calibrate(x)
+    for c, g in zip(_act_scales(cpu), _act_scales(gpu)):
+        assert torch.allclose(g.cpu(), c, rtol=1e-5)
+    with torch.no_grad():
+        out = gpu(x.cuda())
+    assert relative_error(out, _reference(gpu, x.cuda())) <= BOUND[scheme.activation.dtype]
