@@ -6,7 +6,9 @@ return [R, I]; relu2 has no gate and maps [R, I] to [R, I]. Computed in float32,
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from numbers import Real
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +44,16 @@ class Activation:
     interleaved: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.kind, str):
+            raise TypeError(f"activation.kind: expected a str, got {type(self.kind).__name__} {self.kind!r}; allowed: {', '.join(map(repr, ACTIVATIONS))}")
+        for name in ("alpha", "limit"):
+            v = getattr(self, name)
+            if not isinstance(v, Real) or isinstance(v, bool):
+                raise TypeError(f"activation.{name}: expected a real number, got {type(v).__name__} {v!r}")
+            if math.isnan(v):
+                raise ValueError(f"activation.{name}: got nan; allowed: a number")
+        if not isinstance(self.interleaved, bool):
+            raise TypeError(f"activation.interleaved: expected a bool, got {type(self.interleaved).__name__} {self.interleaved!r}")
         if self.kind not in ACTIVATIONS:
             raise ValueError(f"activation: got {self.kind!r}; allowed: {', '.join(map(repr, ACTIVATIONS))}")
         if self.interleaved and not self.gated:

@@ -34,6 +34,17 @@ class LayerShape:
     top_k: int
 
 
+def _check_expert_map(expert_map, num_experts: int) -> int:
+    """expert_map [E_global] of -1 or local ids (eager: values checked); returns E_global (E without one)."""
+    if expert_map is None:
+        return num_experts
+    _checks.expect_tensor("expert_map", expert_map)
+    _checks.expect_ndim("expert_map", expert_map, 1, "[E_global]")
+    _checks.expect_dtype("expert_map", expert_map, _checks.INDEX_DTYPES)
+    _checks.expect_values_in_range("expert_map", expert_map, -1, num_experts, f"-1 or a local expert id < E={num_experts}")
+    return expert_map.shape[0]
+
+
 def check_inputs(
     hidden_states, w13, w2, topk_weights, topk_ids, act: Activation, config: QuantConfig, w13_bias, w2_bias, expert_map
 ) -> LayerShape:
@@ -91,13 +102,7 @@ def check_inputs(
     top_k = topk_ids.shape[1]
     if top_k < 1:
         raise ValueError(f"topk_ids: top_k={top_k} (shape {tuple(topk_ids.shape)}); allowed: top_k >= 1")
-    num_global = num_experts
-    if expert_map is not None:
-        _checks.expect_tensor("expert_map", expert_map)
-        _checks.expect_ndim("expert_map", expert_map, 1, "[E_global]")
-        _checks.expect_dtype("expert_map", expert_map, _checks.INDEX_DTYPES)
-        num_global = expert_map.shape[0]
-        _checks.expect_values_in_range("expert_map", expert_map, -1, num_experts, f"-1 or a local expert id < E={num_experts}")
+    num_global = _check_expert_map(expert_map, num_experts)
     if top_k > num_global:
         raise ValueError(f"topk_ids: top_k={top_k} is larger than the number of experts E={num_global}")
     for name, bias, n in (("w13_bias", w13_bias, n13), ("w2_bias", w2_bias, hidden)):
@@ -151,6 +156,11 @@ def fused_experts(
     calls skip that check and treat an out-of-range id like an expert on another rank.
     """
     act = resolve_activation(activation)
+    if not isinstance(apply_router_weight_on_input, bool):
+        raise TypeError(
+            f"apply_router_weight_on_input: expected a bool, got {type(apply_router_weight_on_input).__name__} "
+            f"{apply_router_weight_on_input!r}"
+        )
     config = quant_config if quant_config is not None else _UNQUANTIZED_CONFIG
     if not isinstance(config, QuantConfig):
         raise TypeError(f"quant_config: expected moe_ops.QuantConfig or None, got {type(config).__name__}")
@@ -204,18 +214,33 @@ def expert_intermediates(
     other ranks are zero). hidden_states [M, H]; w13 [E, 2I, H] (or [E, I, H]) unquantized; topk_ids
     [M, k]. Computed in float32 with the reference ops, so it can run on samples before quantizing."""
     act = resolve_activation(activation)
+    floats = (*_checks.FLOAT_DTYPES, torch.float64)
     for name, t in (("hidden_states", hidden_states), ("w13", w13), ("topk_ids", topk_ids)):
         _checks.expect_tensor(name, t)
+    for name, t in (("w13_bias", w13_bias), ("expert_map", expert_map)):
+        if t is not None:
+            _checks.expect_tensor(name, t)
     _checks.expect_ndim("hidden_states", hidden_states, 2, "[M, H]")
+    _checks.expect_dtype("hidden_states", hidden_states, floats)
     _checks.expect_ndim("w13", w13, 3, "[E, 2I, H] (or [E, I, H] without a gate)")
+    _checks.expect_dtype("w13", w13, floats)
     _checks.expect_ndim("topk_ids", topk_ids, 2, "[M, k]")
-    _checks.expect_dtype("w13", w13, (*_checks.FLOAT_DTYPES, torch.float64))
     _checks.expect_dtype("topk_ids", topk_ids, _checks.INDEX_DTYPES)
-    if w13.shape[2] != hidden_states.shape[1]:
+    num_experts, n13, hidden = w13.shape
+    m = hidden_states.shape[0]
+    if hidden != hidden_states.shape[1]:
         raise ValueError(f"w13: expected [E, N, H={hidden_states.shape[1]}] for hidden_states {tuple(hidden_states.shape)}, got {tuple(w13.shape)}")
-    if topk_ids.shape[0] != hidden_states.shape[0]:
-        raise ValueError(f"topk_ids: expected [M={hidden_states.shape[0]}, k], got {tuple(topk_ids.shape)}")
-    num_global = expert_map.shape[0] if expert_map is not None else w13.shape[0]
+    if act.gated and n13 % 2:
+        raise ValueError(f"w13: activation {act.kind!r} splits each expert's {n13} rows into gate and up halves; N must be even, got {tuple(w13.shape)}")
+    if topk_ids.shape[0] != m:
+        raise ValueError(f"topk_ids: expected [M={m}, k], got {tuple(topk_ids.shape)}")
+    if w13_bias is not None:
+        _checks.expect_shape("w13_bias", w13_bias, (num_experts, n13), "[E, N]")
+        _checks.expect_dtype("w13_bias", w13_bias, floats)
+    num_global = _check_expert_map(expert_map, num_experts)
+    _checks.expect_same_device(
+        {"hidden_states": hidden_states, "w13": w13, "topk_ids": topk_ids, "w13_bias": w13_bias, "expert_map": expert_map}
+    )
     _checks.expect_values_in_range("topk_ids", topk_ids, 0, num_global, "expert ids")
     offsets, gather_idx, _ = routing_plan(topk_ids, w13.shape[0], expert_map)
     bias = w13_bias.float() if w13_bias is not None else None

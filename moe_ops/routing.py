@@ -25,6 +25,7 @@ vLLM's grouped_topk.
 """
 from __future__ import annotations
 
+import math
 from numbers import Real
 
 import torch
@@ -66,6 +67,52 @@ def _group_mask(selection: torch.Tensor, num_groups: int, topk_group: int, with_
     return mask.repeat_interleave(e // num_groups, dim=1)
 
 
+def check_route_args(
+    router_logits, top_k, scoring, renormalize, num_expert_group, topk_group, e_score_correction_bias, routed_scaling_factor
+) -> None:  # fmt: skip
+    """moe_ops::route's arguments as the op takes them (num_expert_group == topk_group == 0: no grouping),
+    checked by its real and fake impl alike; shapes, dtypes and devices only (safe under compile)."""
+    _checks.expect_tensor("router_logits", router_logits)
+    _checks.expect_ndim("router_logits", router_logits, 2, "[M, E]")
+    _checks.expect_dtype("router_logits", router_logits, _checks.FLOAT_DTYPES)
+    _checks.expect_choice("scoring", scoring, SCORING)
+    num_experts = router_logits.shape[1]
+    if not isinstance(top_k, int) or isinstance(top_k, bool):
+        raise TypeError(f"top_k: got {type(top_k).__name__} {top_k!r}; allowed: an int in [1, E={num_experts}]")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k: got {top_k!r}; allowed: an int in [1, E={num_experts}]")
+    if not isinstance(renormalize, bool):
+        # The op's schema takes a bool: None would silently mean False, anything else a RuntimeError.
+        raise TypeError(f"renormalize: expected a bool, got {type(renormalize).__name__} {renormalize!r}")
+    for name, v in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{name}: got {type(v).__name__} {v!r}; allowed: an int or None")
+    if not isinstance(routed_scaling_factor, Real) or isinstance(routed_scaling_factor, bool):
+        raise TypeError(
+            f"routed_scaling_factor: expected a real number, got {type(routed_scaling_factor).__name__} {routed_scaling_factor!r}"
+        )
+    if not math.isfinite(routed_scaling_factor):
+        raise ValueError(f"routed_scaling_factor: got {routed_scaling_factor!r}; allowed: a finite number")
+    if num_expert_group == 0 and topk_group != 0:
+        raise ValueError(f"topk_group: got {topk_group} without grouping (num_expert_group 0 or None); allowed: 0 or None")
+    if num_expert_group != 0:
+        if num_expert_group < 1 or num_experts % num_expert_group:
+            raise ValueError(f"num_expert_group: got {num_expert_group}; allowed: a divisor of E={num_experts}")
+        if not 1 <= topk_group <= num_expert_group:
+            raise ValueError(f"topk_group: got {topk_group}; allowed: 1 to num_expert_group={num_expert_group}")
+        kept_experts = topk_group * (num_experts // num_expert_group)
+        if top_k > kept_experts:
+            raise ValueError(
+                f"top_k: got {top_k}; the {topk_group} kept groups hold only {kept_experts} experts; "
+                f"allowed: at most topk_group * E / num_expert_group = {kept_experts}"
+            )
+    if e_score_correction_bias is not None:
+        _checks.expect_tensor("e_score_correction_bias", e_score_correction_bias)
+        _checks.expect_shape("e_score_correction_bias", e_score_correction_bias, (num_experts,), "[E]")
+        _checks.expect_dtype("e_score_correction_bias", e_score_correction_bias, _checks.FLOAT_DTYPES)
+        _checks.expect_same_device({"router_logits": router_logits, "e_score_correction_bias": e_score_correction_bias})
+
+
 def _route(
     router_logits: torch.Tensor,
     top_k: int,
@@ -76,9 +123,12 @@ def _route(
     e_score_correction_bias: torch.Tensor | None,
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference routing on any device (the body of moe_ops::route; `route` checks the arguments):
+    """Reference routing on any device (the body of moe_ops::route):
     router_logits [M, E] -> (topk_weights float32 [M, top_k], topk_ids int32 [M, top_k]), both contiguous.
     num_expert_group == 0 means no grouping. No host synchronisation: it only queues tensor ops."""
+    check_route_args(
+        router_logits, top_k, scoring, renormalize, num_expert_group, topk_group, e_score_correction_bias, routed_scaling_factor
+    )
     scores = SCORING[scoring](router_logits.float())
     selection = scores
     if e_score_correction_bias is not None:
@@ -106,6 +156,7 @@ route_op = torch.library.custom_op("moe_ops::route", _route, mutates_args=())
 @route_op.register_fake
 def _route_fake(router_logits, top_k, scoring, renormalize, num_expert_group, topk_group, bias, scale):
     """Contiguous float32 and int32 [M, top_k], as _route returns."""
+    check_route_args(router_logits, top_k, scoring, renormalize, num_expert_group, topk_group, bias, scale)
     m = router_logits.shape[0]
     return (
         router_logits.new_empty((m, top_k), dtype=torch.float32),
@@ -130,18 +181,9 @@ def route(
     See the module docstring for the methods. Grouped top-k needs num_expert_group dividing E and
     1 <= topk_group <= num_expert_group, with top_k experts available in the kept groups.
     """
-    _checks.expect_tensor("router_logits", router_logits)
-    _checks.expect_ndim("router_logits", router_logits, 2, "[M, E]")
-    _checks.expect_dtype("router_logits", router_logits, _checks.FLOAT_DTYPES)
-    _checks.expect_choice("scoring", scoring, SCORING)
-    num_experts = router_logits.shape[1]
-    if not isinstance(top_k, int) or isinstance(top_k, bool):
-        raise TypeError(f"top_k: got {type(top_k).__name__} {top_k!r}; allowed: an int in [1, E={num_experts}]")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k: got {top_k!r}; allowed: an int in [1, E={num_experts}]")
-    if not isinstance(renormalize, bool):
-        # The op's schema takes a bool: None would silently mean False, anything else a RuntimeError.
-        raise TypeError(f"renormalize: expected a bool, got {type(renormalize).__name__} {renormalize!r}")
+    # None becomes the op's 0 (no grouping), so the pairing and the types of these two are checked first;
+    # then everything, here (the op's schema would reject a wrong type with a bare RuntimeError) and in
+    # the op's own impls (a compiled graph calls the op directly).
     if (num_expert_group is None) != (topk_group is None):
         raise ValueError(
             f"num_expert_group and topk_group: got {num_expert_group!r} and {topk_group!r}; "
@@ -150,40 +192,12 @@ def route(
     for name, v in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
             raise TypeError(f"{name}: got {type(v).__name__} {v!r}; allowed: an int or None")
-    if not isinstance(routed_scaling_factor, Real) or isinstance(routed_scaling_factor, bool):
-        raise TypeError(
-            f"routed_scaling_factor: expected a real number, got {type(routed_scaling_factor).__name__} {routed_scaling_factor!r}"
-        )
-    if num_expert_group is not None:
-        if num_expert_group < 1 or num_experts % num_expert_group:
-            raise ValueError(
-                f"num_expert_group: got {num_expert_group}; allowed: a divisor of E={num_experts}"
-            )
-        if not 1 <= topk_group <= num_expert_group:
-            raise ValueError(f"topk_group: got {topk_group}; allowed: 1 to num_expert_group={num_expert_group}")
-        kept_experts = topk_group * (num_experts // num_expert_group)
-        if top_k > kept_experts:
-            raise ValueError(
-                f"top_k: got {top_k}; the {topk_group} kept groups hold only {kept_experts} experts; "
-                f"allowed: at most topk_group * E / num_expert_group = {kept_experts}"
-            )
-    if e_score_correction_bias is not None:
-        _checks.expect_tensor("e_score_correction_bias", e_score_correction_bias)
-        _checks.expect_shape("e_score_correction_bias", e_score_correction_bias, (num_experts,), "[E]")
-        _checks.expect_dtype("e_score_correction_bias", e_score_correction_bias, _checks.FLOAT_DTYPES)
-        _checks.expect_same_device(
-            {"router_logits": router_logits, "e_score_correction_bias": e_score_correction_bias}
-        )
-    return route_op(
-        router_logits,
-        top_k,
-        scoring,
-        renormalize,
-        num_expert_group or 0,
-        topk_group or 0,
-        e_score_correction_bias,
-        float(routed_scaling_factor),
-    )
+    if num_expert_group == 0:  # 0 means "no grouping" to the op; here that is None
+        _checks.expect_tensor("router_logits", router_logits)
+        raise ValueError(f"num_expert_group: got 0; allowed: a divisor of E={router_logits.shape[-1]}, or None for no grouping")
+    args = (router_logits, top_k, scoring, renormalize, num_expert_group or 0, topk_group or 0, e_score_correction_bias)
+    check_route_args(*args, routed_scaling_factor)
+    return route_op(*args, float(routed_scaling_factor))
 
 
 forward_only.register(route_op)

@@ -94,17 +94,45 @@ def test_expert_intermediates_against_float64(dtype, with_bias):
     assert relative_error(order(out.double()), order(want)) <= 1e-6
 
 
-def test_expert_intermediates_rejects_bad_args():
-    x, w13 = torch.randn(3, H), torch.randn(E, 2 * I, H)
-    ids = torch.zeros(3, TOP_K, dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"w13: expected \[E, N, H=128\] for hidden_states \(3, 128\), got \(8, 128, 64\)"):
-        moe_ops.expert_intermediates(x, w13[:, :, : H // 2], ids)
-    with pytest.raises(ValueError, match=r"topk_ids: expected \[M=3, k\], got \(4, 2\)"):
-        moe_ops.expert_intermediates(x, w13, torch.zeros(4, TOP_K, dtype=torch.int32))
-    with pytest.raises(TypeError, match=r"w13: dtype torch.int8 is not allowed"):
-        moe_ops.expert_intermediates(x, w13.to(torch.int8), ids)
-    with pytest.raises(ValueError, match=r"topk_ids: value 8 is outside \[0, 8\)"):
-        moe_ops.expert_intermediates(x, w13, torch.full((3, TOP_K), E, dtype=torch.int32))
+_X, _W13, _IDS = torch.randn(3, H), torch.randn(E, 2 * I, H), torch.zeros(3, TOP_K, dtype=torch.int32)
+# name -> (arguments changed from (_X, _W13, _IDS), exception, message). Before, an expert_map entry past
+# E gave zero rows silently, list arguments raised AttributeError, an int hidden_states was accepted, and
+# a bad bias or odd w13 was named "bias" or "x".
+BAD_INTERMEDIATES = {
+    "w13_width": (dict(w13=_W13[:, :, : H // 2]), ValueError,
+                  r"w13: expected \[E, N, H=128\] for hidden_states \(3, 128\), got \(8, 128, 64\)"),
+    "w13_odd_gated": (dict(w13=_W13[:, :-1]), ValueError, r"w13: activation 'silu' splits each expert's 127 rows into gate and up halves"),
+    "ids_rows": (dict(topk_ids=torch.zeros(4, TOP_K, dtype=torch.int32)), ValueError, r"topk_ids: expected \[M=3, k\], got \(4, 2\)"),
+    "w13_int8": (dict(w13=_W13.to(torch.int8)), TypeError, r"w13: dtype torch.int8 is not allowed"),
+    "hidden_int": (dict(hidden_states=torch.ones(3, H, dtype=torch.long)), TypeError, r"hidden_states: dtype torch.int64 is not allowed"),
+    "id_out_of_range": (dict(topk_ids=torch.full((3, TOP_K), E, dtype=torch.int32)), ValueError, r"topk_ids: value 8 is outside \[0, 8\)"),
+    "map_entry_past_E": (dict(expert_map=torch.tensor([0, 1, 2, 9])), ValueError, r"expert_map: value 9 is outside \[-1, 8\)"),
+    "map_list": (dict(expert_map=[0, 1]), TypeError, r"expert_map: expected a torch.Tensor, got list"),
+    "bias_list": (dict(w13_bias=[0.0] * 64), TypeError, r"w13_bias: expected a torch.Tensor, got list"),
+    "bias_shape": (dict(w13_bias=torch.zeros(E, 3)), ValueError, r"w13_bias: expected shape \(8, 128\) \(\[E, N\]\), got \(8, 3\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INTERMEDIATES))
+def test_expert_intermediates_rejects_bad_args(case):
+    changes, exc, match = BAD_INTERMEDIATES[case]
+    args = {"hidden_states": _X, "w13": _W13, "topk_ids": _IDS, **changes}
+    with pytest.raises(exc, match=match):
+        moe_ops.expert_intermediates(args.pop("hidden_states"), args.pop("w13"), args.pop("topk_ids"), **args)
+
+
+def test_expert_intermediates_with_an_expert_map():
+    """Pairs whose expert lives on another rank (expert_map -1) give zero rows; the others as without."""
+    emap = torch.tensor([1, -1, 0] + list(range(2, E)))  # 9 global ids onto 8 local experts, id 1 elsewhere
+    ids = torch.tensor([[0, 1], [2, 3], [1, 4]], dtype=torch.int32)
+    out = moe_ops.expert_intermediates(_X, _W13, ids, expert_map=emap)
+    local = torch.where(ids == 1, -1, emap[ids.long()])
+    want = [_intermediates64(_X[m : m + 1], _W13, local[m : m + 1, j : j + 1])[0] for m in range(3) for j in range(2) if local[m, j] >= 0]
+    assert out.shape == (6, I)
+    kept = out[out.abs().sum(dim=1) > 0]
+    assert kept.shape[0] == len(want) == 4
+    order = lambda t: t[t[:, 0].argsort()]  # noqa: E731
+    assert relative_error(order(kept.double()), order(torch.stack(want))) <= 1e-6
 
 
 # ---- FusedMoE ------------------------------------------------------------------------------------

@@ -226,6 +226,9 @@ BAD_FUSED = [
      r"quant_config: expected moe_ops.QuantConfig or None, got QuantScheme"),
     ("router_weight_on_input_topk2", _with(apply_router_weight_on_input=True), ValueError,
      r"apply_router_weight_on_input: needs top_k == 1, got top_k=2"),
+    # a str was truthy: "False" multiplied the input by the router weight
+    ("router_weight_on_input_str", _with(apply_router_weight_on_input="False"), TypeError,
+     r"apply_router_weight_on_input: expected a bool, got str 'False'"),
 ]
 
 
@@ -627,6 +630,24 @@ def test_nan_logits_do_not_crash_routing(kwargs):
 )
 def test_activation_rejects(build, match):
     with pytest.raises(ValueError, match=match):
+        build()
+
+
+# Before, these were accepted and failed later (a str interleaved reached the op's schema after GEMM1
+# had run; alpha=None failed in float() without a name) or raised unnamed errors (a list kind: unhashable).
+@pytest.mark.parametrize(
+    "build, exc, match",
+    [
+        (lambda: moe_ops.Activation(["silu"]), TypeError, r"activation.kind: expected a str, got list \['silu'\]"),
+        (lambda: moe_ops.Activation("silu", interleaved="no"), TypeError, r"activation.interleaved: expected a bool, got str 'no'"),
+        (lambda: moe_ops.Activation("swigluoai", alpha=None), TypeError, r"activation.alpha: expected a real number, got NoneType None"),
+        (lambda: moe_ops.Activation("swigluoai", limit="7"), TypeError, r"activation.limit: expected a real number, got str '7'"),
+        (lambda: moe_ops.Activation("swigluoai", alpha=float("nan")), ValueError, r"activation.alpha: got nan"),
+    ],
+    ids=["kind_list", "interleaved_str", "alpha_none", "limit_str", "alpha_nan"],
+)
+def test_activation_rejects_field_types(build, exc, match):
+    with pytest.raises(exc, match=match):
         build()
 
 

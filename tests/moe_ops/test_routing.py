@@ -240,6 +240,54 @@ def test_renormalize_must_be_a_bool(value):
         moe_ops.route(torch.randn(3, 8), 2, renormalize=value)
 
 
+# The op itself (what a compiled graph calls) checks its arguments in the real and the fake impl alike.
+# Before, only the `route` wrapper checked: the op returned [M, E] ids for top_k > E while its fake impl
+# said [M, top_k] (torch.compile then failed with "incorrect fake kernel"), took top_k = -1, and raised
+# KeyError / RuntimeError for an unknown scoring, a group count not dividing E or a short bias.
+_OP = torch.ops.moe_ops.route.default
+_GOOD = (4, 2, "softmax", True, 0, 0, None, 1.0)  # E, top_k, scoring, renormalize, groups, kept, bias, scale
+BAD_OP_ARGS = {
+    "top_k_above_E": (dict(top_k=5), ValueError, r"top_k: got 5; allowed: an int in \[1, E=4\]"),
+    "top_k_negative": (dict(top_k=-1), ValueError, r"top_k: got -1"),
+    "unknown_scoring": (dict(scoring="tanh"), ValueError, r"scoring: got 'tanh'; allowed: 'softmax', 'sigmoid'"),
+    "groups_not_dividing": (dict(groups=3, kept=1), ValueError, r"num_expert_group: got 3; allowed: a divisor of E=4"),
+    "kept_without_groups": (dict(kept=1), ValueError, r"topk_group: got 1 without grouping"),
+    "short_bias": (dict(bias=torch.zeros(3)), ValueError, r"e_score_correction_bias: expected shape \(4,\) \(\[E\]\), got \(3,\)"),
+    "nan_scale": (dict(scale=float("nan")), ValueError, r"routed_scaling_factor: got nan; allowed: a finite number"),
+    "inf_scale": (dict(scale=float("inf")), ValueError, r"routed_scaling_factor: got inf; allowed: a finite number"),
+}
+
+
+def _op_args(**changes) -> list:
+    names = ("num_experts", "top_k", "scoring", "renormalize", "groups", "kept", "bias", "scale")
+    spec = {**dict(zip(names, _GOOD)), **changes}
+    return [torch.randn(3, spec.pop("num_experts")), *spec.values()]
+
+
+@pytest.mark.parametrize("case", list(BAD_OP_ARGS))
+@pytest.mark.parametrize("where", ["real", "fake"])
+def test_route_op_rejects_bad_args(case, where):
+    changes, exc, match = BAD_OP_ARGS[case]
+    args = _op_args(**changes)
+    with pytest.raises(exc, match=match):
+        if where == "real":
+            _OP(*args)
+        else:
+            with FakeTensorMode() as mode:
+                _OP(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("-inf")])
+def test_route_rejects_a_non_finite_scaling_factor(scale):
+    with pytest.raises(ValueError, match=r"routed_scaling_factor: got (nan|-inf); allowed: a finite number"):
+        moe_ops.route(torch.randn(2, 4), 2, routed_scaling_factor=scale)
+
+
+def test_route_op_accepts_the_base_args():
+    # Positive control for test_route_op_rejects_bad_args.
+    torch.library.opcheck(_OP, tuple(_op_args()))
+
+
 @pytest.mark.parametrize("m", [0, 1, 6])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize(
