@@ -6,7 +6,6 @@ return [R, I]; relu2 has no gate and maps [R, I] to [R, I]. Computed in float32,
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from numbers import Real
 
@@ -50,7 +49,7 @@ class Activation:
             v = getattr(self, name)
             if not isinstance(v, Real) or isinstance(v, bool):
                 raise TypeError(f"activation.{name}: expected a real number, got {type(v).__name__} {v!r}")
-            if math.isnan(v):
+            if v != v:  # NaN (a comparison: under torch.compile v may be a SymFloat)
                 raise ValueError(f"activation.{name}: got nan; allowed: a number")
         if not isinstance(self.interleaved, bool):
             raise TypeError(f"activation.interleaved: expected a bool, got {type(self.interleaved).__name__} {self.interleaved!r}")

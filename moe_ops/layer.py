@@ -16,7 +16,7 @@ from torch import nn
 from . import _checks
 from .activation import Activation, resolve_activation
 from .fused_experts import expert_intermediates, fused_experts
-from .quant.config import QuantConfig, needs_calibration, quantize_weights, static_activation_scales
+from .quant.config import QuantConfig, needs_calibration, quantize_weight, static_activation_scales
 from .quant.scheme import UNQUANTIZED, QuantScheme
 from .routing import route
 
@@ -29,9 +29,14 @@ _EXPERT_PARTS = {
     "down_proj": ("w2", "down"),
     "w2": ("w2", "down"),
 }
-_PER_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.(" + "|".join(_EXPERT_PARTS) + r")\.weight$")
-# Stacked 3-D names (moe_ops' own and transformers' fused experts) -> our tensor.
-_STACKED = {"w13": "w13", "gate_up_proj": "w13", "w2": "w2", "down_proj": "w2"}
+_PER_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.(" + "|".join(_EXPERT_PARTS) + r")\.(weight|bias)$")
+# Stacked names (moe_ops' own and transformers' fused experts) -> (our tensor, weight or bias).
+_STACKED = {
+    "w13": ("w13", "weight"), "gate_up_proj": ("w13", "weight"), "w2": ("w2", "weight"), "down_proj": ("w2", "weight"),
+    "w13_bias": ("w13", "bias"), "gate_up_proj_bias": ("w13", "bias"), "w2_bias": ("w2", "bias"), "down_proj_bias": ("w2", "bias"),
+}  # fmt: skip
+# Checkpoints hold float tensors; the layer converts them to its dtype (and quantizes them).
+_CHECKPOINT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _ROUTER = {"gate.weight": "weight", "router.weight": "weight", "gate.bias": "bias", "router.bias": "bias"}
 _CONFIG_BUFFERS = (
     "w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale", "w13_zero", "w2_zero",
@@ -91,6 +96,8 @@ class FusedMoE(nn.Module):
             routed_scaling_factor=routed_scaling_factor,
         )
         dtype = dtype or torch.get_default_dtype()
+        if dtype not in _checks.FLOAT_DTYPES:
+            raise TypeError(f"dtype: got {dtype}; allowed: {', '.join(map(str, _checks.FLOAT_DTYPES))}")
         factory = dict(device=device, dtype=dtype)
         self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
         self.n13 = (2 if self.activation.gated else 1) * intermediate_size
@@ -101,26 +108,33 @@ class FusedMoE(nn.Module):
         self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden_size, **factory)) if expert_bias else None
         w13 = torch.randn(num_experts, self.n13, hidden_size, device=device) / math.sqrt(hidden_size)
         w2 = torch.randn(num_experts, hidden_size, intermediate_size, device=device) / math.sqrt(intermediate_size)
+        if scheme.weight is not None:
+            for name in _CONFIG_BUFFERS:
+                self.register_buffer(name, None)
         self._set_expert_weights(w13.to(dtype), w2.to(dtype), calibration=torch.randn(64, hidden_size, device=device))
         route(torch.zeros(1, num_experts), top_k, **self.routing)  # validates the routing options now
 
-    def _set_expert_weights(self, w13: torch.Tensor, w2: torch.Tensor, calibration: torch.Tensor | None = None) -> None:
-        """Store float weights, quantizing them to the module's scheme; calibration: sample hidden states
-        for a scheme that needs_calibration (checked by the caller)."""
-        if self.scheme.weight is None:
-            self.w13 = nn.Parameter(w13, requires_grad=False)
-            self.w2 = nn.Parameter(w2, requires_grad=False)
-            self._refresh_quant_config()
-            return
-        inter = None
+    def _set_expert_weights(self, w13: torch.Tensor | None, w2: torch.Tensor | None, calibration=None) -> None:
+        """Store float weights w13 [E, n13, H] and w2 [E, H, I] (None keeps that projection as stored),
+        quantized to the module's scheme; a scheme that needs_calibration then takes its activation
+        scales from calibration (sample hidden states) through the router. Nothing is written unless
+        everything succeeds."""
+        wq = self.scheme.weight
+        new = {which: w if wq is None else quantize_weight(w, wq, which) for which, w in (("w13", w13), ("w2", w2)) if w is not None}
+        scales = {}
         if needs_calibration(self.scheme):
-            calibration = self._calibration_inputs(calibration)
-            inter = self._intermediates(calibration, w13)
-        q13, q2, config = quantize_weights(self.scheme, w13, w2, calibration=calibration, intermediate_calibration=inter)
-        self.register_buffer("w13", q13)
-        self.register_buffer("w2", q2)
-        for name in _CONFIG_BUFFERS:
-            self.register_buffer(name, getattr(config, name))
+            x = self._calibration_inputs(calibration)
+            float13 = w13 if w13 is not None else self.float_weights()[0]
+            scales = static_activation_scales(self.scheme, x, self._intermediates(x, float13))
+        for which, q in new.items():
+            if wq is None:
+                setattr(self, which, nn.Parameter(q, requires_grad=False))
+                continue
+            self.register_buffer(which, q["q"])
+            for key in ("scale", "global_scale", "zero"):
+                self.register_buffer(f"{which}_{key}", q[key])
+        for name, t in scales.items():
+            self.register_buffer(name, t.to(self.w13.device))
         self._refresh_quant_config()
 
     def _calibration_inputs(self, samples) -> torch.Tensor:
@@ -132,6 +146,8 @@ class FusedMoE(nn.Module):
                 f"calibration: expected sample hidden states [..., H={self.hidden_size}] with at least one token, "
                 f"got shape {tuple(samples.shape)}"
             )
+        if _checks.value_checks_enabled() and _checks.has_values(samples) and not bool(torch.isfinite(samples).all()):
+            raise ValueError("calibration: holds NaN or inf; static activation scales calibrated on it would be NaN/inf")
         weight = self.router.weight
         return samples.detach().reshape(-1, self.hidden_size).to(device=weight.device, dtype=weight.dtype)
 
@@ -195,7 +211,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> [..., H]. x must be on the layer's device and in its dtype (the router's; under
-        autocast the router casts for itself): otherwise ValueError / TypeError before anything runs."""
+        autocast the router casts for itself and unquantized experts compute in the layer's dtype):
+        otherwise ValueError / TypeError before anything runs."""
         _checks.expect_tensor("hidden_states", hidden_states)
         _checks.expect_dtype("hidden_states", hidden_states, _checks.FLOAT_DTYPES)
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
@@ -211,12 +228,15 @@ class FusedMoE(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         topk_weights, topk_ids = self.routing_for(x)
+        # Under autocast unquantized experts run in the layer's dtype (the ops take activations in the
+        # weights' dtype; autocast does not reach custom ops) and the output comes back in the input's.
+        experts_x = x.to(self.w13.dtype) if self.scheme.weight is None else x
         out = fused_experts(
-            x, self.w13, self.w2, topk_weights, topk_ids,
+            experts_x, self.w13, self.w2, topk_weights, topk_ids,
             activation=self.activation, quant_config=self._quant_config,
             w13_bias=self.w13_bias, w2_bias=self.w2_bias,
         )  # fmt: skip
-        return out.reshape(shape)
+        return out.to(hidden_states.dtype).reshape(shape)
 
     @torch.no_grad()
     def load_weights(
@@ -227,85 +247,133 @@ class FusedMoE(nn.Module):
     ) -> None:
         """Load float checkpoint tensors (quantized on load for a quantized scheme).
 
-        Accepts per-expert names "...experts.<e>.<part>.weight" with part gate_proj/up_proj/down_proj
-        or w1/w3/w2 (Mixtral), every expert required; or stacked 3-D tensors "w13"/"gate_up_proj"
-        [E, 2I, H] and "w2"/"down_proj" [E, H, I] (any prefix); the router as "gate.weight" or
-        "router.weight"; "e_score_correction_bias". Every tensor must be used: unknown names, expert
-        ids >= num_experts, a gate for an activation without one, or per-expert and stacked tensors for
-        the same projection raise ValueError. Nothing is written unless everything checks out. The layer
-        keeps copies (contiguous, in its dtype and on its device), never the given tensors themselves.
-        calibration: sample hidden states [..., H], required when expert weights are loaded into a scheme
-        with static activation scales (see calibrate; they are calibrated after the router is loaded).
+        Accepts per-expert names "...experts.<e>.<part>.weight" (and ".bias") with part
+        gate_proj/up_proj/down_proj or w1/w3/w2 (Mixtral), every expert required; or stacked tensors
+        "w13"/"gate_up_proj" [E, 2I, H], "w2"/"down_proj" [E, H, I], "w13_bias"/"gate_up_proj_bias"
+        [E, 2I] and "w2_bias"/"down_proj_bias" [E, H] (any prefix; stacked w13 tensors are taken in the
+        layer's own gate/up layout, per-expert gate and up rows are interleaved for an interleaved
+        activation); the router as "gate.weight"/"router.weight" (and ".bias"); "e_score_correction_bias".
+        Every tensor must be used exactly once: unknown names, non-float tensors, expert ids >=
+        num_experts, a gate for an activation without one, biases for a layer without them, or two
+        entries for the same tensor raise ValueError/TypeError. A projection not given keeps its stored
+        weights untouched. The layer keeps copies (contiguous, in its dtype and on its device), never
+        the given tensors themselves. Nothing is written unless everything succeeds.
+
+        calibration: sample hidden states [..., H]. Required for a scheme with static activation scales
+        (they depend on the weights, biases and router: see calibrate), refused for any other.
         """
         items = list(weights.items() if isinstance(weights, Mapping) else weights)
-        per_expert: dict[tuple[str, str], dict[int, tuple[str, torch.Tensor]]] = {}
-        stacked: dict[str, tuple[str, torch.Tensor]] = {}
-        copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # applied once everything is checked
+        static = needs_calibration(self.scheme)
+        if calibration is not None and not static:
+            raise ValueError(f"calibration: scheme {self.scheme.describe()} has no static activation scales to calibrate; pass None")
+        if static and items and calibration is None:
+            raise ValueError(
+                f"calibration: scheme {self.scheme.describe()} has static activation scales, which must be calibrated for "
+                "the loaded tensors; pass sample hidden states [..., H] (load_weights(..., calibration=x))"
+            )
+        if calibration is not None:
+            self._calibration_inputs(calibration)
+        per_expert: dict[tuple[str, str, str], dict[int, tuple[str, torch.Tensor]]] = {}
+        stacked: dict[tuple[str, str], tuple[str, torch.Tensor]] = {}
+        copies: dict[str, tuple[str, torch.Tensor, torch.Tensor]] = {}  # destination -> (name, dest, src)
+        seen: dict[tuple, str] = {}
         for name, tensor in items:
-            if (m := _PER_EXPERT.search(name)) is not None:
-                expert, part = int(m.group(1)), _EXPERT_PARTS[m.group(2)]
-                if expert >= self.num_experts:
-                    raise ValueError(f"weights[{name!r}]: expert {expert} >= num_experts={self.num_experts}")
-                if part == ("w13", "gate") and not self.activation.gated:
-                    raise ValueError(f"weights[{name!r}]: activation {self.activation.kind!r} has no gate projection")
-                per_expert.setdefault(part, {})[expert] = (name, tensor)
-            elif (key := next((k for k in _STACKED if name == k or name.endswith("." + k)), None)) is not None:
-                stacked[_STACKED[key]] = (name, tensor)
-            elif (key := next((k for k in _ROUTER if name == k or name.endswith("." + k)), None)) is not None:
-                dest = getattr(self.router, _ROUTER[key])
-                if dest is None:
-                    raise ValueError(f"weights[{name!r}]: the router has no bias")
-                copies.append((name, dest, tensor))
-            elif name.split(".")[-1] == "e_score_correction_bias" and self.e_score_correction_bias is not None:
-                copies.append((name, self.e_score_correction_bias, tensor))
+            _checks.expect_tensor(f"weights[{name!r}]", tensor)
+            _checks.expect_dtype(f"weights[{name!r}]", tensor, _CHECKPOINT_DTYPES)
+            key = self._destination(name)
+            if key in seen:
+                raise ValueError(f"weights: {seen[key]!r} and {name!r} both give {'.'.join(map(str, key[1:]))}; give one")
+            seen[key] = name
+            if key[0] == "expert":
+                _, which, part, kind, expert = key
+                per_expert.setdefault((which, part, kind), {})[expert] = (name, tensor)
+            elif key[0] == "stacked":
+                stacked[key[1:]] = (name, tensor)
             else:
-                raise ValueError(f"weights: unknown name {name!r}; expected per-expert, stacked or router names (see load_weights)")
+                dest = getattr(self.router, key[1]) if key[0] == "router" else self.e_score_correction_bias
+                copies[key] = (name, dest, tensor)
+        new = {}
+        parts = {"w13": ("gate", "up") if self.activation.gated else ("up",), "w2": ("down",)}
         for which in ("w13", "w2"):
-            if which in stacked and any(k[0] == which for k in per_expert):
-                raise ValueError(f"weights: {which} given both stacked ({stacked[which][0]!r}) and per expert; give one")
-        for name, dest, src in copies:
+            for kind in ("weight", "bias"):
+                given_per_expert = [p for p in parts[which] if (which, p, kind) in per_expert]
+                if (which, kind) in stacked and given_per_expert:
+                    raise ValueError(f"weights: {which} {kind} given both stacked ({stacked[which, kind][0]!r}) and per expert; give one")
+                current = getattr(self, which) if kind == "weight" else getattr(self, f"{which}_bias")
+                shape = (self.num_experts, self.n13 if which == "w13" else self.hidden_size)
+                shape += ((self.hidden_size if which == "w13" else self.intermediate_size),) if kind == "weight" else ()
+                if kind == "bias" and current is None and ((which, kind) in stacked or given_per_expert):
+                    raise ValueError(f"weights: {which}_bias given, but the layer has no expert biases (expert_bias=False)")
+                t = stacked[which, kind][1] if (which, kind) in stacked else self._stack(per_expert, which, kind, parts[which], shape)
+                if t is None:
+                    continue
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"weights[{which}{'_bias' if kind == 'bias' else ''}]: expected shape {shape}, got {tuple(t.shape)}")
+                new[which, kind] = t
+        for name, dest, src in copies.values():
             if tuple(dest.shape) != tuple(src.shape):
                 raise ValueError(f"weights[{name!r}]: expected shape {tuple(dest.shape)}, got {tuple(src.shape)}")
-        current13, current2 = self.float_weights()
-        parts13 = ("gate", "up") if self.activation.gated else ("up",)
-        w13 = stacked["w13"][1] if "w13" in stacked else self._stack(per_expert, "w13", parts13, current13.shape[1:])
-        w2 = stacked["w2"][1] if "w2" in stacked else self._stack(per_expert, "w2", ("down",), current2.shape[1:])
-        for which, t, want in (("w13", w13, current13.shape), ("w2", w2, current2.shape)):
-            if t is not None and tuple(t.shape) != tuple(want):
-                raise ValueError(f"weights[{which}]: expected shape {tuple(want)}, got {tuple(t.shape)}")
-        if (w13 is not None or w2 is not None) and needs_calibration(self.scheme):
-            if calibration is None:
-                raise ValueError(
-                    f"calibration: scheme {self.scheme.describe()} has static activation scales, which must be "
-                    "calibrated for the loaded weights; pass sample hidden states [..., H] (load_weights(..., calibration=x))"
-                )
-            self._calibration_inputs(calibration)  # checked before anything is written
-        for _, dest, src in copies:
-            dest.copy_(src)
-        if w13 is None and w2 is None:
+        for which in ("w13", "w2"):
+            if (which, "bias") in new:
+                copies[which, "bias"] = (which, getattr(self, f"{which}_bias"), new[which, "bias"])
+        if not items:
             return
-        dtype = self.router.weight.dtype
-        w13 = current13 if w13 is None else w13
-        w2 = current2 if w2 is None else w2
-        # Always a copy: the layer must not share storage with the caller's tensors (a later in-place
-        # change to the checkpoint or to the model it came from would silently change this layer).
-        copy = dict(dtype=dtype, copy=True, memory_format=torch.contiguous_format)
-        self._set_expert_weights(w13.to(device=current13.device, **copy), w2.to(device=current2.device, **copy), calibration)
+        # Transactional: the router and biases are written first (the scales are calibrated through them),
+        # and restored if quantizing or calibrating then fails.
+        backup = [(dest, dest.detach().clone()) for _, dest, _ in copies.values()]
+        try:
+            for _, dest, src in copies.values():
+                dest.copy_(src)
+            device, dtype = self.router.weight.device, self.router.weight.dtype
+            # Always a copy: the layer must not share storage with the caller's tensors (a later in-place
+            # change to the checkpoint or to the model it came from would silently change this layer).
+            copy = dict(device=device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)
+            w13, w2 = (new[w, "weight"].to(**copy) if (w, "weight") in new else None for w in ("w13", "w2"))
+            if w13 is not None or w2 is not None or static:
+                self._set_expert_weights(w13, w2, calibration)
+        except BaseException:
+            for dest, old in backup:
+                dest.copy_(old)
+            raise
 
-    def _stack(self, per_expert, which: str, parts: tuple[str, ...], matrix_shape) -> torch.Tensor | None:
-        """Stack per-expert tensors [rows, K] into [E, sum(rows), K]; None when none were given."""
-        found = [per_expert.get((which, p), {}) for p in parts]
+    def _destination(self, name: str) -> tuple:
+        """Which tensor a checkpoint name loads: ("expert", which, part, kind, e), ("stacked", which, kind),
+        ("router", "weight" | "bias") or ("correction",)."""
+        if (m := _PER_EXPERT.search(name)) is not None:
+            expert, (which, part), kind = int(m.group(1)), _EXPERT_PARTS[m.group(2)], m.group(3)
+            if expert >= self.num_experts:
+                raise ValueError(f"weights[{name!r}]: expert {expert} >= num_experts={self.num_experts}")
+            if part == "gate" and not self.activation.gated:
+                raise ValueError(f"weights[{name!r}]: activation {self.activation.kind!r} has no gate projection")
+            return ("expert", which, part, kind, expert)
+        if (key := next((k for k in _STACKED if name == k or name.endswith("." + k)), None)) is not None:
+            return ("stacked", *_STACKED[key])
+        if (key := next((k for k in _ROUTER if name == k or name.endswith("." + k)), None)) is not None:
+            if getattr(self.router, _ROUTER[key]) is None:
+                raise ValueError(f"weights[{name!r}]: the router has no bias")
+            return ("router", _ROUTER[key])
+        if name.split(".")[-1] == "e_score_correction_bias" and self.e_score_correction_bias is not None:
+            return ("correction",)
+        raise ValueError(f"weights: unknown name {name!r}; expected per-expert, stacked or router names (see load_weights)")
+
+    def _stack(self, per_expert, which: str, kind: str, parts: tuple[str, ...], shape: tuple) -> torch.Tensor | None:
+        """Per-expert tensors ([rows, K] weights, [rows] biases) of `parts` -> [E, *shape[1:]]: the parts
+        concatenated along rows, or interleaved row by row (gate_0, up_0, ...) for an interleaved
+        activation; None when none were given."""
+        found = [per_expert.get((which, p, kind), {}) for p in parts]
         if not any(found):
             return None
-        rows = matrix_shape[0] // len(parts)
+        part_shape = (shape[1] // len(parts), *shape[2:])
         for part, tensors in zip(parts, found):
             missing = sorted(set(range(self.num_experts)) - set(tensors))
             if missing:
-                raise ValueError(f"weights: {part} projection missing for experts {missing[:8]}{'...' if len(missing) > 8 else ''}")
+                raise ValueError(f"weights: {part} projection{' bias' if kind == 'bias' else ''} missing for experts {missing[:8]}{'...' if len(missing) > 8 else ''}")
             for name, t in tensors.values():
-                if tuple(t.shape) != (rows, matrix_shape[1]):
-                    raise ValueError(f"weights[{name!r}]: expected shape {(rows, matrix_shape[1])}, got {tuple(t.shape)}")
-        return torch.stack([torch.cat([f[e][1] for f in found], dim=0) for e in range(self.num_experts)])
+                if tuple(t.shape) != part_shape:
+                    raise ValueError(f"weights[{name!r}]: expected shape {part_shape}, got {tuple(t.shape)}")
+        interleave = self.activation.interleaved and len(parts) == 2
+        per_e = [[f[e][1] for f in found] for e in range(self.num_experts)]
+        return torch.stack([torch.stack(ts, dim=1).reshape(shape[1:]) if interleave else torch.cat(ts) for ts in per_e])
 
     def float_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The expert weights in float32 (dequantized for a quantized scheme): w13 [E, n13, H], w2 [E, H, I]."""

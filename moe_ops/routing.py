@@ -91,7 +91,8 @@ def check_route_args(
         raise TypeError(
             f"routed_scaling_factor: expected a real number, got {type(routed_scaling_factor).__name__} {routed_scaling_factor!r}"
         )
-    if not math.isfinite(routed_scaling_factor):
+    # Comparisons, not math.isfinite: under torch.compile the factor may be a SymFloat.
+    if not -math.inf < routed_scaling_factor < math.inf:
         raise ValueError(f"routed_scaling_factor: got {routed_scaling_factor!r}; allowed: a finite number")
     if num_expert_group == 0 and topk_group != 0:
         raise ValueError(f"topk_group: got {topk_group} without grouping (num_expert_group 0 or None); allowed: 0 or None")

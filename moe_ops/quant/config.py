@@ -342,6 +342,8 @@ def _check_samples(name: str, samples, width: int, what: str) -> None:
 def needs_calibration(scheme: QuantScheme) -> bool:
     """Whether the scheme's activation scales are fixed ahead of time (static scales, nvfp4's global
     scales), so that quantizing its weights needs sample activations of both GEMMs."""
+    if not isinstance(scheme, QuantScheme):
+        raise TypeError(f"scheme: expected a QuantScheme, got {type(scheme).__name__}")
     a = scheme.activation
     return a is not None and (a.static or a.dtype == "nvfp4")
 
@@ -352,9 +354,20 @@ def static_activation_scales(scheme: QuantScheme, calibration: torch.Tensor, int
     as QuantConfig fields: amax over each GEMM's sample inputs over the format's range, float32 [1].
     calibration: GEMM1's inputs [..., H]; intermediate_calibration: GEMM2's inputs [..., I] (the routed
     pairs' activation outputs, e.g. from moe_ops.expert_intermediates)."""
+    if not isinstance(scheme, QuantScheme):
+        raise TypeError(f"scheme: expected a QuantScheme, got {type(scheme).__name__}")
+    if not needs_calibration(scheme):
+        raise ValueError(f"scheme: {scheme.describe()} has no static activation scales")
     a = scheme.activation
     key = "global_scale" if a.dtype == "nvfp4" else "scale"
     out = {}
+    for name, samples in (("calibration", calibration), ("intermediate_calibration", intermediate_calibration)):
+        _checks.expect_tensor(name, samples)
+        _checks.expect_dtype(name, samples, _WEIGHT_INPUT_DTYPES)
+        if samples.numel() == 0:
+            raise ValueError(f"{name}: no samples, got shape {tuple(samples.shape)}")
+        if _checks.value_checks_enabled() and _checks.has_values(samples) and not bool(torch.isfinite(samples).all()):
+            raise ValueError(f"{name}: holds NaN or inf; static activation scales calibrated on it would be NaN/inf")
     for which, samples in (("13", calibration), ("2", intermediate_calibration)):
         amax = samples.float().abs().amax().clamp(min=1e-6)
         out[f"a{which}_{key}"] = (amax / _STATIC_RANGE[a.dtype]).reshape(1)

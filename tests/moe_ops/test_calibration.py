@@ -160,22 +160,69 @@ def test_load_weights_calibrates_static_scales(name):
     assert relative_error(out, _reference(layer, x)) <= BOUND[scheme.activation.dtype]
 
 
+def _state(layer) -> dict:
+    return {k: (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v).clone() for k, v in layer.state_dict().items()}
+
+
+def _assert_unchanged(layer, before: dict):
+    after = _state(layer)
+    assert after.keys() == before.keys()
+    for k in before:
+        assert torch.equal(after[k], before[k]), f"{k} changed"
+
+
 @pytest.mark.parametrize("name", list(STATIC))
 def test_load_weights_without_calibration_is_rejected(name):
-    """Loading expert weights into a static scheme without samples raises before anything is written
-    (router included); a router-only load needs none."""
+    """Any load into a static scheme (expert weights, or only the router: GEMM2's scale depends on the
+    routing) needs samples; a missing, misshapen or non-finite calibration, or one that yields NaN
+    intermediates (an inf weight), raises with nothing written, router included."""
     layer = _layer(STATIC[name])
-    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    before = _state(layer)
     w13, w2 = _float_experts(seed=8)
     weights = {"w13": w13, "w2": w2, "gate.weight": torch.randn(E, H)}
-    with pytest.raises(ValueError, match=r"calibration: scheme .* has static activation scales, which must be calibrated"):
-        layer.load_weights(weights)
-    with pytest.raises(ValueError, match=r"calibration: expected sample hidden states \[\.\.\., H=128\] .* got shape \(5, 64\)"):
-        layer.load_weights(weights, calibration=torch.randn(5, H // 2))
-    for k, v in layer.state_dict().items():
-        assert torch.equal(v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
-                           before[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else before[k]), f"{k} changed"  # fmt: skip
-    layer.load_weights({"gate.weight": torch.randn(E, H)})
+    nan_x = torch.randn(4, H).index_fill_(1, torch.tensor([3]), float("nan"))
+    inf_w13 = w13.clone().index_fill_(2, torch.tensor([0]), float("inf"))
+    bad = [
+        (weights, None, r"calibration: scheme .* has static activation scales, which must be calibrated"),
+        ({"gate.weight": torch.randn(E, H)}, None, r"calibration: scheme .* has static activation scales"),
+        (weights, torch.randn(5, H // 2), r"calibration: expected sample hidden states \[\.\.\., H=128\] .* got shape \(5, 64\)"),
+        (weights, nan_x, r"calibration: holds NaN or inf"),
+        ({**weights, "w13": inf_w13}, torch.randn(4, H), r"intermediate_calibration: holds NaN or inf"),
+    ]
+    for w, cal, match in bad:
+        with pytest.raises(ValueError, match=match):
+            layer.load_weights(w, calibration=cal)
+        _assert_unchanged(layer, before)
+
+
+@pytest.mark.parametrize("name", list(STATIC))
+def test_router_only_load_recalibrates(name):
+    """A new router changes which experts' outputs GEMM2 reads: loading it recalibrates GEMM2's scale
+    (calibration was ignored before, leaving the old routing's scales)."""
+    layer = _layer(STATIC[name])
+    x = torch.randn(64, H, generator=generator(15))
+    router = torch.randn(E, H, generator=generator(16))
+    layer.load_weights({"gate.weight": router}, calibration=x)
+    assert torch.equal(layer.router.weight, router)
+    expected = _layer(STATIC[name])
+    expected.load_state_dict(layer.state_dict())
+    expected.calibrate(x)
+    for got, want in zip(_act_scales(layer), _act_scales(expected)):
+        assert torch.equal(got, want)
+
+
+def test_calibration_is_refused_for_a_scheme_without_static_scales():
+    layer = _layer(DYNAMIC)
+    with pytest.raises(ValueError, match=r"calibration: scheme fp8_w8a8_per_token .* has no static activation scales to calibrate"):
+        layer.load_weights({"gate.weight": torch.randn(E, H)}, calibration=torch.randn(4, H))
+
+
+def test_calibrate_rejects_non_finite_samples():
+    layer = _layer(STATIC["fp8_per_tensor_static"])
+    before = _state(layer)
+    with pytest.raises(ValueError, match=r"calibration: holds NaN or inf"):
+        layer.calibrate(torch.full((2, H), float("inf")))
+    _assert_unchanged(layer, before)
 
 
 @pytest.mark.parametrize("name", list(STATIC))

@@ -319,7 +319,7 @@ def test_load_missing_expert_list_is_truncated():
     [
         "model.layers.0.mlp.shared_expert.down_proj.weight",
         "model.layers.0.mlp.gate_proj.weight",
-        "model.layers.0.mlp.experts.0.gate_proj.bias",
+        "model.layers.0.mlp.experts.0.gate_proj.scale",
         "model.layers.0.mlp.experts.x.up_proj.weight",
         "e_score_correction_bias",  # the layer has no correction bias
         "w13_scale",
@@ -599,3 +599,114 @@ def test_load_weights_strided_views():
     assert torch.equal(layer.float_weights()[0], e13)
     x = torch.randn(5, H)
     assert relative_error(_forward(layer, x), _reference(layer, x)) <= F32_TOL
+
+
+# ---- load_weights: layouts, biases, duplicates, partial loads, dtypes ------------------------------
+
+
+def _per_expert(parts, names=(("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")), kind="weight"):
+    return {f"experts.{e}.{n}.{kind}": parts[p][e] for e in range(E) for p, n in names if p in parts}
+
+
+def test_per_expert_gate_and_up_are_interleaved_for_an_interleaved_activation():
+    """Per-expert gate_proj / up_proj rows go to w13 as gate_0, up_0, gate_1, ... when the activation
+    reads them interleaved (they were concatenated: a relative error of 1.25 against float64)."""
+    layer = _layer(activation=moe_ops.Activation("silu", interleaved=True))
+    parts = _expert_tensors(seed=21)
+    layer.load_weights(_per_expert(parts))
+    for e in range(E):
+        assert torch.equal(layer.w13[e, 0::2], parts["gate"][e]) and torch.equal(layer.w13[e, 1::2], parts["up"][e])
+    x = torch.randn(9, H)
+    tw, ti = layer.routing_for(x)
+    concat13, w2 = _stacked(parts)  # the same experts in the concatenated layout, through the float64 reference
+    want = moe_float64(x, concat13.double(), w2.double(), tw, ti, activation="silu")
+    assert relative_error(_forward(layer, x), want) <= F32_TOL
+
+
+@pytest.mark.parametrize("per_expert", [False, True])
+def test_expert_biases_load(per_expert):
+    """Expert biases load stacked (w13_bias / gate_up_proj_bias, w2_bias / down_proj_bias) or per expert
+    (.bias of each projection); before, every bias name was unknown, so gpt-oss-style checkpoints could
+    not be loaded. A layer without biases refuses them."""
+    layer = _layer(expert_bias=True)
+    g = generator(22)
+    b13, b2 = torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g)
+    if per_expert:
+        parts = {"gate": list(b13[:, :I]), "up": list(b13[:, I:]), "down": list(b2)}
+        layer.load_weights(_per_expert(parts, kind="bias"))
+    else:
+        layer.load_weights({"model.experts.gate_up_proj_bias": b13, "model.experts.down_proj_bias": b2})
+    assert torch.equal(layer.w13_bias, b13) and torch.equal(layer.w2_bias, b2)
+    x = torch.randn(5, H)
+    assert relative_error(_forward(layer, x), _reference(layer, x)) <= F32_TOL
+    source = _layer(expert_bias=True)
+    layer.load_weights(dict(source.state_dict()))  # the layer's own names round-trip
+    assert torch.equal(layer.w13_bias, source.w13_bias)
+    with pytest.raises(ValueError, match=r"weights: w2_bias given, but the layer has no expert biases"):
+        _layer().load_weights({"w2_bias": b2})
+
+
+@pytest.mark.parametrize(
+    "weights, match",
+    [
+        ({"experts.0.gate_proj.weight": 1, "experts.0.w1.weight": 2}, r"'experts.0.gate_proj.weight' and 'experts.0.w1.weight' both give w13.gate.weight.0"),
+        ({"gate.weight": 1, "router.weight": 2}, r"'gate.weight' and 'router.weight' both give weight"),
+        ({"w13": 1, "experts.gate_up_proj": 2}, r"'w13' and 'experts.gate_up_proj' both give w13.weight"),
+    ],
+    ids=["per_expert_aliases", "router_aliases", "stacked_aliases"],
+)
+def test_load_rejects_two_entries_for_one_tensor(weights, match):
+    """The last entry used to win silently."""
+    layer = _layer()
+    shapes = {"experts.0.gate_proj.weight": (I, H), "experts.0.w1.weight": (I, H), "gate.weight": (E, H), "router.weight": (E, H),
+              "w13": (E, 2 * I, H), "experts.gate_up_proj": (E, 2 * I, H)}  # fmt: skip
+    _assert_load_rejected(layer, {n: torch.randn(shapes[n]) for n in weights}, match)
+
+
+@pytest.mark.parametrize(
+    "value, exc, match",
+    [
+        (torch.ones(E, H, dtype=torch.int64), TypeError, r"weights\['gate.weight'\]: dtype torch.int64 is not allowed"),
+        (torch.ones(E, H, dtype=torch.bool), TypeError, r"weights\['gate.weight'\]: dtype torch.bool is not allowed"),
+        (torch.ones(E, H, dtype=torch.complex64), TypeError, r"dtype torch.complex64 is not allowed"),
+        ([[0.0] * H] * E, TypeError, r"weights\['gate.weight'\]: expected a torch.Tensor, got list"),
+    ],
+    ids=["int64", "bool", "complex", "list"],
+)
+def test_load_rejects_non_float_entries(value, exc, match):
+    """They were cast to the layer's dtype silently (complex dropping its imaginary part), or raised
+    AttributeError."""
+    layer = _layer()
+    before = layer.router.weight.clone()
+    with pytest.raises(exc, match=match):
+        layer.load_weights({"gate.weight": value})
+    assert torch.equal(layer.router.weight, before)
+
+
+def test_partial_load_leaves_the_other_projection_as_stored():
+    """Loading only w2 re-quantized w13 from its dequantized, dtype-rounded values (int4 with zero
+    points in bf16 moved it by up to 0.4%); now w13's storage and scales stay bit for bit."""
+    layer = _layer(quant_config=INT4_ZP, dtype=torch.bfloat16)
+    before = {n: b.clone() for n, b in layer.named_buffers() if n.startswith("w13")}
+    layer.load_weights({"w2": torch.randn(E, H, I)})
+    for n, b in before.items():
+        assert torch.equal(getattr(layer, n), b), f"{n} changed"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
+def test_layer_dtype_must_be_a_float_the_ops_take(dtype):
+    """float64 built a layer whose forward rejected every input; int32 raised a bare RuntimeError."""
+    with pytest.raises(TypeError, match=rf"dtype: got {dtype}; allowed: torch.float32, torch.float16, torch.bfloat16"):
+        _layer(dtype=dtype)
+
+
+def test_unquantized_layer_runs_under_autocast():
+    """A float32 layer under bf16 autocast: the router casts for itself, the experts compute in float32
+    (the ops rejected bf16 activations with float32 weights), the output comes back in bf16."""
+    layer = _layer(top_k=E)
+    x = torch.randn(6, H).bfloat16()
+    want = _forward(layer, x.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _forward(layer, x)
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, want) <= tolerance(torch.bfloat16)
