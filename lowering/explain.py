@@ -150,13 +150,22 @@ def _quant_text(dtype: str, group) -> str:
     return "none" if dtype == "none" else f"{dtype} {GroupShape(*group)}"
 
 
-def _recipe_text(gu: dict) -> str:
+def _weight_text(args: dict) -> str:
+    return _quant_text(args["w_dtype"], args["w_group"]) + (" zero-point" if args["w_zero"] is not None else "")
+
+
+def _recipe_text(gu: dict, dr: dict) -> str:
+    """The layer's recipe from both fused ops' arguments: GEMM2's weights and bias are down_reduce's (a
+    hand-written chain may quantize or bias its two GEMMs differently)."""
     act = gu["activation"] + (f"(alpha={gu['alpha']}, limit={gu['limit']})" if gu["activation"] == "swigluoai" else "")
     act += ", interleaved" if gu["interleaved"] else ""
     quant_a = _quant_text(gu["a_dtype"], gu["a_group"])
-    quant_w = _quant_text(gu["w_dtype"], gu["w_group"]) + (" zero-point" if gu["w_zero"] is not None else "")
+    quant_w = _weight_text(gu)
+    if _weight_text(dr) != quant_w:
+        quant_w = f"{quant_w} (w13), {_weight_text(dr)} (w2)"
     requant = _quant_text(gu["out_quant_dtype"], gu["out_quant_group"])
-    return f"act={act}; a-quant={quant_a}; w-quant={quant_w}; re-quant={requant}; bias={'yes' if gu['bias'] is not None else 'no'}"
+    bias = "+".join(name for name, args in (("w13", gu), ("w2", dr)) if args["bias"] is not None) or "no"
+    return f"act={act}; a-quant={quant_a}; w-quant={quant_w}; re-quant={requant}; bias={bias}"
 
 
 def _rows(report: PassReport, start: int) -> list[LayerRow]:
@@ -168,7 +177,7 @@ def _rows(report: PassReport, start: int) -> list[LayerRow]:
         device = gu["x"].device
         dtypes = f"x {_SHORT_DTYPE.get(gu['x'].dtype)}, w {_SHORT_DTYPE.get(gu['w'].dtype)}, out {_SHORT_DTYPE.get(dr['out_dtype'])}"
         backends = f"{_backend_text('gate_up', gu, device)}; {_backend_text('down_reduce', dr, device)}"
-        rows.append((f.chain.position, "gate_up + down_reduce", _recipe_text(gu), dtypes, backends))
+        rows.append((f.chain.position, "gate_up + down_reduce", _recipe_text(gu, dr), dtypes, backends))
     for u in report.unfused:
         rows.append((u.position, "not fused", "-", "-", f"reason: {u.reason}"))
     rows.sort(key=lambda r: r[0])

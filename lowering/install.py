@@ -8,13 +8,17 @@ from torch._inductor import config as inductor_config
 from . import backend
 from .graph_pass import MoEFusionPass
 
-_state: dict = {"pass": None, "previous": None, "require_kernels": None}
+# The require_kernels setting from before the first install() that changed it. The installed pass
+# itself is read from Inductor's config, never kept here: a torch._inductor.config.patch around an
+# enabled() or explain() would otherwise leave a remembered pass that is no longer (or again) the one
+# installed, and uninstall() could not remove it.
+_state: dict = {"require_kernels": None}
 
 
 def installed() -> MoEFusionPass | None:
     """The installed pass, or None."""
     current = inductor_config.post_grad_custom_post_pass
-    return current if isinstance(current, MoEFusionPass) and current is _state["pass"] else None
+    return current if isinstance(current, MoEFusionPass) else None
 
 
 def install(*, require_kernels: bool | None = None) -> MoEFusionPass:
@@ -25,22 +29,19 @@ def install(*, require_kernels: bool | None = None) -> MoEFusionPass:
         if _state["require_kernels"] is None:
             _state["require_kernels"] = backend.REQUIRE_KERNELS["value"]
         backend.REQUIRE_KERNELS["value"] = require_kernels
-    if installed() is not None:
-        return _state["pass"]
-    previous = inductor_config.post_grad_custom_post_pass
-    _state["previous"] = previous
-    _state["pass"] = MoEFusionPass(previous)
-    inductor_config.post_grad_custom_post_pass = _state["pass"]
-    return _state["pass"]
+    if (current := installed()) is not None:
+        return current
+    inductor_config.post_grad_custom_post_pass = MoEFusionPass(inductor_config.post_grad_custom_post_pass)
+    return inductor_config.post_grad_custom_post_pass
 
 
 def uninstall() -> None:
     """Restore the post_grad_custom_post_pass that was set before install() (idempotent)."""
-    if installed() is not None:
-        inductor_config.post_grad_custom_post_pass = _state["previous"]
+    if (current := installed()) is not None:
+        inductor_config.post_grad_custom_post_pass = current.previous
     if _state["require_kernels"] is not None:
         backend.REQUIRE_KERNELS["value"] = _state["require_kernels"]
-    _state.update(dict.fromkeys(_state))
+    _state["require_kernels"] = None
 
 
 @contextlib.contextmanager
@@ -49,9 +50,9 @@ def enabled(*, require_kernels: bool | None = None):
     pass was installed already, it stays installed)."""
     was_installed = installed() is not None
     require_before = backend.REQUIRE_KERNELS["value"]
-    install(require_kernels=require_kernels)
+    ours = install(require_kernels=require_kernels)
     try:
-        yield _state["pass"]
+        yield ours
     finally:
         if not was_installed:
             uninstall()

@@ -489,6 +489,58 @@ def test_enabled_restores_require_kernels():
     assert backend.REQUIRE_KERNELS["value"] is before and lowering.installed() is None
 
 
+def test_enabled_inside_a_config_patch_leaves_the_outer_pass_removable():
+    """install(), then enabled() (as explain() does) under a config.patch that clears the pass: the pass
+    that comes back when the patch exits is still the installed one, and uninstall() removes it. Before,
+    one remembered pass was overwritten by the inner install, so installed() said None and uninstall()
+    left the outer pass running for good."""
+    outer = lowering.install()
+    with inductor_config.patch(post_grad_custom_post_pass=None):
+        with lowering.enabled() as inner:
+            assert inner is not outer and lowering.installed() is inner
+        assert inductor_config.post_grad_custom_post_pass is None
+    assert lowering.installed() is outer
+    assert lowering.install() is outer  # not wrapped a second time
+    lowering.uninstall()
+    assert inductor_config.post_grad_custom_post_pass is None
+
+
+def test_chain_over_a_padded_buffer_compiles_and_fuses():
+    """A hand-written chain whose x holds more rows than topk_ids routes (a padded buffer): the plan's
+    ids, passed as gate_up's weight hint, have fewer rows than x. The fused op's check compared the two
+    row counts and failed the compile; the hint needs one id per routed pair only."""
+    none = [-1, -1]
+    w13, w2 = torch.randn(E, 2 * I, H) / H**0.5, torch.randn(E, H, I) / I**0.5
+
+    def layer(x, topk_weights, topk_ids):
+        offsets, gather_idx, inverse = routing_plan(topk_ids, E, None)
+        h = grouped_gemm(x, None, None, "none", none, w13, None, None, None, "none", none, None, offsets, gather_idx, x.dtype)
+        a = activation_op(h, "silu", 1.702, 7.0, False)
+        y = grouped_gemm(a, None, None, "none", none, w2, None, None, None, "none", none, None, offsets, None, x.dtype)
+        return weighted_reduce(y, topk_weights, inverse, offsets)
+
+    topk_weights, topk_ids = moe_ops.route(torch.randn(5, E), TOP_K)
+    x = torch.randn(8, H)
+    (out,), graphs, seen = run_compiled(layer, [(x, topk_weights, topk_ids)])
+    assert GATE_UP in seen[0][2] and DOWN_REDUCE in seen[0][2]
+    assert torch.equal(out, eager(layer, [(x, topk_weights, topk_ids)])[0])
+
+
+@pytest.mark.parametrize("w13_bias, w2_bias, text", [(False, True, "bias=w2"), (True, False, "bias=w13"), (True, True, "bias=w13+w2")])
+def test_explain_reports_each_gemms_bias(w13_bias, w2_bias, text):
+    """The recipe read GEMM1's bias only: a layer with a w2 bias alone read bias=no."""
+    w13, w2 = torch.randn(E, 2 * I, H) / H**0.5, torch.randn(E, H, I) / I**0.5
+    b13 = torch.randn(E, 2 * I) if w13_bias else None
+    b2 = torch.randn(E, H) if w2_bias else None
+
+    def layer(x, topk_weights, topk_ids):
+        return moe_ops.fused_experts(x, w13, w2, topk_weights, topk_ids, w13_bias=b13, w2_bias=b2)
+
+    topk_weights, topk_ids = moe_ops.route(torch.randn(6, E), TOP_K)
+    report = lowering.explain(layer, torch.randn(6, H), topk_weights, topk_ids)
+    assert report.layers[0].recipe.endswith(text)
+
+
 def _meta_gate_up_args(dtype=torch.bfloat16, out_dtype=torch.bfloat16) -> dict:
     """gate_up's arguments as meta tensors of a shape the kernels serve (the recipe reads no values)."""
     e, h, i, rows = 4, 128, 128, 8

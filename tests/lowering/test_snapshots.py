@@ -147,7 +147,7 @@ return [v6]
 
 | layer | fused ops | recipe | dtypes | backend / reason |
 |---|---|---|---|---|
-| 0 | gate_up + down_reduce | act=swigluoai(alpha=1.702, limit=7.0), interleaved; a-quant=none; w-quant=none; re-quant=none; bias=yes | x f32, w f32, out f32 | gate_up: reference (cpu: the CuTe DSL kernels run on CUDA GPUs (sm_90)); down_reduce: reference (cpu: the CuTe DSL kernels run on CUDA GPUs (sm_90)) |""")
+| 0 | gate_up + down_reduce | act=swigluoai(alpha=1.702, limit=7.0), interleaved; a-quant=none; w-quant=none; re-quant=none; bias=w13+w2 | x f32, w f32, out f32 | gate_up: reference (cpu: the CuTe DSL kernels run on CUDA GPUs (sm_90)); down_reduce: reference (cpu: the CuTe DSL kernels run on CUDA GPUs (sm_90)) |""")
         self.assertExpectedInline(e.code(), """\
 buf# = torch.ops.moe_ops.routing_plan.default(arg#, 4, None)
 buf# = torch.ops.moe_ops.gate_up.default(arg#, None, None, 'none', [-1, -1], arg#, None, None, None, 'none', [-1, -1], arg#, buf#, buf#, 'swigluoai', 1.702, 7.0, True, 'none', [-1, -1], None, None, torch.float32, arg#)
