@@ -30,13 +30,31 @@ def _time(fn, x, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _count(low: int):
+    """argparse type: an int >= low."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"got {value}; allowed: an int >= {low}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its message: "invalid int value: 'x'"
+    return parse
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokens", type=_count(0), nargs="+", default=[1, 16, 128])
+    parser.add_argument("--repeats", type=_count(1), default=5)
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        parser.error(f"--device: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device: {args.device} asked for, but torch.cuda.is_available() is False")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     layer = FusedMoE(**DEFAULT, dtype=dtype, device=device)

@@ -438,7 +438,25 @@ def quantize_weights(
 
 
 def dequantize_weight(w: torch.Tensor, wq: WeightQuant | None, scale=None, global_scale=None, zero=None) -> torch.Tensor:
-    """Stored weight [E, N, K/packing] -> float32 [E, N, K]."""
+    """Stored weight [E, N, K/packing] -> float32 [E, N, K] with its scale [E, *scale_shape(group, N, K)],
+    global_scale [E] (nvfp4) and zero (int4 with zero points, the scale's shape)."""
+    _checks.expect_tensor("w", w)
     if wq is None:
         return w.float()
+    if not isinstance(wq, WeightQuant):
+        raise TypeError(f"wq: expected a WeightQuant or None, got {type(wq).__name__}")
+    _checks.expect_ndim("w", w, 3, f"[E, N, K/{wq.packing}] {wq.dtype} storage")
+    _checks.expect_dtype("w", w, (wq.storage,))
+    e, n, k = w.shape[0], w.shape[1], w.shape[2] * wq.packing
+    _checks.expect_tensor("scale", scale)
+    _checks.expect_shape("scale", scale, (e, *formats.scale_shape(wq.group.astuple(), n, k)), f"[E, ...] for {wq.dtype} {wq.group}")
+    if wq.dtype == "nvfp4":
+        _checks.expect_tensor("global_scale", global_scale)  # without it the values are off by the global scale
+    elif global_scale is not None:
+        raise ValueError(f"global_scale: only nvfp4 weights have one, got one for {wq.dtype}")
+    if wq.zero_point:
+        _checks.expect_tensor("zero", zero)
+        _checks.expect_shape("zero", zero, tuple(scale.shape), "the scale's shape")
+    elif zero is not None:
+        raise ValueError(f"zero: {wq.dtype} {wq.group} without zero points takes none")
     return formats.dequantize(w, wq.dtype, wq.group.astuple(), scale, global_scale, zero)

@@ -444,3 +444,52 @@ def test_quant_dataclasses_accept_bools():
     assert ActivationQuant("fp8", PER_TENSOR, static=True).static is True
     assert WeightQuant("int4", GroupShape(1, 32), zero_point=False).zero_point is False
     assert quant.int4_w4a16(torch.ones(E, 2 * I, H // 32), torch.ones(E, H, I // 32)).scheme.weight.zero_point is False
+
+
+# ---- the public helpers' arguments ------------------------------------------------------------------
+
+_NVFP4 = WeightQuant("nvfp4", GroupShape(1, 16))
+_INT4 = WeightQuant("int4", GroupShape(1, 32))
+_INT4_ZP = WeightQuant("int4", GroupShape(1, 32), zero_point=True)
+
+
+def _stored(wq):
+    q = quant.quantize_weight(torch.randn(2, 16, 64), wq)
+    return q["q"], q["scale"], q["global_scale"], q["zero"]
+
+
+BAD_DEQUANTIZE = {
+    # nvfp4 without its global scale came back off by that scale, silently
+    "nvfp4_no_global": (_NVFP4, lambda q, s, g, z: (q, s, None, None), TypeError, r"global_scale: expected a torch.Tensor, got NoneType"),
+    "no_scale": (_INT4, lambda q, s, g, z: (q, None, None, None), TypeError, r"scale: expected a torch.Tensor, got NoneType"),
+    "scale_shape": (_INT4, lambda q, s, g, z: (q, s[:, :, :1], None, None), ValueError, r"scale: expected shape \(2, 16, 2\)"),
+    "zero_missing": (_INT4_ZP, lambda q, s, g, z: (q, s, None, None), TypeError, r"zero: expected a torch.Tensor, got NoneType"),
+    "zero_unexpected": (_INT4, lambda q, s, g, z: (q, s, None, torch.zeros_like(s, dtype=torch.uint8)), ValueError,
+                        r"zero: int4 1x32 without zero points takes none"),
+    "storage_dtype": (_INT4, lambda q, s, g, z: (q.float(), s, None, None), TypeError, r"w: dtype torch.float32 is not allowed; allowed: torch.uint8"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_DEQUANTIZE))
+def test_dequantize_weight_rejects(case):
+    wq, edit, exc, match = BAD_DEQUANTIZE[case]
+    q, s, g, z = edit(*_stored(wq))
+    with pytest.raises(exc, match=match):
+        quant.dequantize_weight(q, wq, s, g, z)
+
+
+@pytest.mark.parametrize("wq", [_NVFP4, _INT4, _INT4_ZP], ids=["nvfp4", "int4", "int4_zp"])
+def test_dequantize_weight_accepts_what_quantize_weight_stores(wq):
+    # Positive control for test_dequantize_weight_rejects: within the format's step of the float input.
+    w = torch.randn(2, 16, 64)
+    q = quant.quantize_weight(w, wq)
+    out = quant.dequantize_weight(q["q"], wq, q["scale"], q["global_scale"], q["zero"])
+    assert out.shape == w.shape and (out - w).norm() / w.norm() < 0.2
+
+
+def test_static_scale_helpers_reject_other_schemes():
+    with pytest.raises(TypeError, match=r"scheme: expected a QuantScheme, got NoneType"):
+        quant.needs_calibration(None)
+    dynamic = QuantScheme(ActivationQuant("fp8", PER_TOKEN), WeightQuant("fp8", PER_CHANNEL))
+    with pytest.raises(ValueError, match=r"scheme: fp8_w8a8_per_token .* has no static activation scales"):
+        quant.static_activation_scales(dynamic, torch.randn(4, H), torch.randn(4, I))
