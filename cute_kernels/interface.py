@@ -302,6 +302,8 @@ def _hint(x: torch.Tensor, gather: torch.Tensor, expert_ids: torch.Tensor | None
         raise TypeError(f"expert_ids: dtype {expert_ids.dtype}; expected torch.int32 or torch.int64 (the routing plan's topk_ids)")
     if expert_ids.numel() != gather.shape[0]:
         raise ValueError(f"expert_ids: {expert_ids.numel()} ids for {gather.shape[0]} routed pairs; expected the plan's topk_ids [M, k]")
+    if expert_ids.device != x.device:
+        raise ValueError(f"expert_ids: on {expert_ids.device}, the other tensors on {x.device}")
     if x.shape[0] != 1 or expert_ids.numel() > HINT_MAX_PAIRS or not expert_ids.is_contiguous() or expert_ids.data_ptr() % ALIGN_BYTES:
         return gather, 0, 1
     return expert_ids.view(torch.int32), expert_ids.numel(), expert_ids.element_size() // 4
@@ -329,6 +331,8 @@ def gate_up(
     topk_ids [M, k] when they are local expert ids (no expert_map), read at M = 1 as a hint only."""
     _check_experts(w)
     num_experts, n, hidden = w.shape
+    if activation in GATED and n % 2:
+        raise ValueError(f"w: {activation!r} reads each expert's N rows as gate and up halves; N must be even, got shape {list(w.shape)}")
     inter = n // 2 if activation in GATED else n
     _check_support(gate_up_support(
         dtype=x.dtype, weight_dtype=w.dtype, activation=activation, gate_layout=gate_layout, has_bias=bias is not None,
@@ -341,6 +345,7 @@ def gate_up(
     )  # fmt: skip
     _check_aligned(x=x, w=w, bias=bias, offsets=offsets, gather=gather, out=out)
     hint = _hint(x, gather, expert_ids)
+    _check_support(device_support(x.device))  # last: the checks above hold on any device
     if out is None:
         out = torch.empty(gather.shape[0], inter, dtype=x.dtype, device=x.device)
     if out.shape[0] == 0:
@@ -380,6 +385,7 @@ def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, ti
         inverse=(inverse, (m * k,), _INDEX), out=(out, (m, hidden), (a.dtype,)),
     )  # fmt: skip
     _check_aligned(a=a, w=w, bias=bias, offsets=offsets, gather=gather, topk_weights=topk_weights, inverse=inverse, out=out)
+    _check_support(device_support(a.device))  # last: the checks above hold on any device
     if out is None:
         out = torch.empty(m, hidden, dtype=a.dtype, device=a.device)
     if m == 0:

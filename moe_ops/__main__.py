@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from . import FusedMoE
+from . import FusedMoE, _checks
 from .reference import moe_float64, relative_error, tolerance
 
 # Qwen3-30B-A3B routes 8 of 128 experts; hidden and intermediate sizes are scaled down 4x.
@@ -30,24 +30,11 @@ def _time(fn, x, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _count(low: int):
-    """argparse type: an int >= low."""
-
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"got {value}; allowed: an int >= {low}")
-        return value
-
-    parse.__name__ = "int"  # argparse names the type in its message: "invalid int value: 'x'"
-    return parse
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tokens", type=_count(0), nargs="+", default=[1, 16, 128])
-    parser.add_argument("--repeats", type=_count(1), default=5)
+    parser.add_argument("--tokens", type=_checks.argparse_int(0), nargs="+", default=[1, 16, 128])
+    parser.add_argument("--repeats", type=_checks.argparse_int(1), default=5)
     args = parser.parse_args(argv)
     try:
         device = torch.device(args.device)

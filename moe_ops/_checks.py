@@ -94,3 +94,17 @@ def expect_values_in_range(name: str, t: torch.Tensor, low: int, high: int, what
     if bool(bad.any()):
         first = t[bad][0].item()
         raise ValueError(f"{name}: value {first} is outside [{low}, {high}) ({what})")
+
+
+def argparse_int(low: int):
+    """An argparse type: an int >= low (argparse turns the ArgumentTypeError into a usage error)."""
+    import argparse
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"got {value}; allowed: an int >= {low}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its message: "invalid int value: 'x'"
+    return parse

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from . import _checks
 from .bench_targets import report
 
 SHAPES = {
@@ -365,14 +366,27 @@ def plot(records: list[dict], path: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
-    parser.add_argument("--replays", type=int, default=100)
+    parser.add_argument("--tokens", nargs="+", type=_checks.argparse_int(1), default=list(TOKENS))
+    parser.add_argument("--replays", type=_checks.argparse_int(1), default=100)
     parser.add_argument("--out", type=Path, default=None, help="default: bench/results/<gpu-name>/")
     parser.add_argument("--compile-times", action="store_true", help="only time a fresh process's start per shape, cold and from the disk caches")
     parser.add_argument("--check", type=Path, default=None, metavar="RESULTS_JSON", help="only print issue 5's targets for an earlier run's results.json (no GPU needed)")
     args = parser.parse_args(argv)
+    for name in ("shapes", "tokens"):
+        values = getattr(args, name)
+        if len(set(values)) != len(values):
+            # a point measured twice would count twice in the targets' geometric mean
+            parser.error(f"--{name}: {values} repeats a value; give each once")
     if args.check is not None:
-        print(report(json.loads(args.check.read_text())))
+        given = [f"--{n.replace('_', '-')}" for n in ("shapes", "tokens", "replays", "out", "compile_times")
+                 if getattr(args, n) != parser.get_default(n)]  # fmt: skip
+        if given:
+            parser.error(f"--check reads an earlier run's results only; {', '.join(given)} would be ignored")
+        try:
+            records = json.loads(args.check.read_text())
+            print(report(records))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            parser.error(f"--check {args.check}: {type(e).__name__}: {e}")
         return 0
     if not torch.cuda.is_available():
         print("moe_ops.bench needs a CUDA GPU", file=sys.stderr)

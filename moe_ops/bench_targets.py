@@ -108,6 +108,11 @@ def check(records: list[dict]) -> list[Verdict]:
     entry are left out of the peer comparison, and the geometric mean needs all 20."""
     if not records:
         raise ValueError("records: expected the records of a benchmark run, got none")
+    points = [(r["shape"], r["M"]) for r in records]
+    repeated = sorted({p for p in points if points.count(p) > 1})
+    if repeated:
+        # A point counted twice would weigh twice in the geometric mean (and could stand in for a missing one).
+        raise ValueError(f"records: each (shape, M) must appear once, got repeats of {repeated}")
     compared = [(r, vs_best_peer(r)) for r in records if (r["shape"], r["M"]) in PEERS]
     verdicts = []
     if compared:

@@ -3,6 +3,7 @@ it and missed, naming the point, by a run that misses it at one point."""
 import json
 import math
 import random
+import re
 
 import pytest
 
@@ -145,3 +146,40 @@ def test_matmul_fraction_is_judged_in_graph_when_the_run_has_it():
     point["tflops"] = 0.55 * RATE / 1e12
     large = next(v for v in check(records) if v.target.startswith("M ="))
     assert not large.met and "(per replay)" in large.target and "deepseek-v3 55% (needs 60%)" in large.detail
+
+
+def test_a_point_given_twice_is_an_error():
+    """A run with M = 1 twice and no M = 8192 read "1.477x over 20 of 20 points" (met): the geometric mean
+    counted records, not points."""
+    records = [r for r in run_records(1.5) if r["M"] != 8192]
+    records += [r for r in records if r["M"] == 1]
+    with pytest.raises(ValueError, match=r"records: each \(shape, M\) must appear once, got repeats of \[\('deepseek-v3', 1\)"):
+        check(records)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--tokens", "1", "1", "16"], r"--tokens: \[1, 1, 16\] repeats a value; give each once"),
+        (["--shapes", "mixtral", "mixtral"], r"--shapes: \['mixtral', 'mixtral'\] repeats a value"),
+        (["--replays", "0"], r"argument --replays: got 0; allowed: an int >= 1"),
+        (["--tokens", "-3"], r"argument --tokens: got -3; allowed: an int >= 1"),
+        (["--check", "/nonexistent/results.json"], r"--check /nonexistent/results.json: FileNotFoundError"),
+        (["--check", "x.json", "--shapes", "mixtral"], r"--check reads an earlier run's results only; --shapes would be ignored"),
+    ],
+)
+def test_bad_command_lines_are_argparse_errors(argv, match, capsys):
+    """They were tracebacks (a missing or malformed --check file, --replays 0 on a GPU) or silently
+    ignored options (--shapes with --check)."""
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(argv)
+    assert exit_.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_check_of_a_malformed_file_is_an_argparse_error(tmp_path, capsys):
+    path = tmp_path / "results.json"
+    path.write_text("{not json")
+    with pytest.raises(SystemExit):
+        bench.main(["--check", str(path)])
+    assert "JSONDecodeError" in capsys.readouterr().err
