@@ -16,7 +16,7 @@ from torch import nn
 from . import _checks
 from .activation import Activation, resolve_activation
 from .fused_experts import expert_intermediates, fused_experts
-from .quant.config import QuantConfig, needs_calibration, quantize_weight, static_activation_scales
+from .quant.config import QuantConfig, dequantize_weight, needs_calibration, quantize_weight, static_activation_scales
 from .quant.scheme import UNQUANTIZED, QuantScheme
 from .routing import route
 
@@ -124,7 +124,14 @@ class FusedMoE(nn.Module):
         scales = {}
         if needs_calibration(self.scheme):
             x = self._calibration_inputs(calibration)
-            float13 = w13 if w13 is not None else self.float_weights()[0]
+            # GEMM2's inputs as forward computes them: from the stored (dequantized) w13, as calibrate() does.
+            if w13 is None:
+                float13 = self.float_weights()[0]
+            elif wq is None:
+                float13 = w13
+            else:
+                q = new["w13"]
+                float13 = dequantize_weight(q["q"], wq, q["scale"], q["global_scale"], q["zero"])
             scales = static_activation_scales(self.scheme, x, self._intermediates(x, float13))
         for which, q in new.items():
             if wq is None:
@@ -141,6 +148,8 @@ class FusedMoE(nn.Module):
         """Sample hidden states [..., H] -> [T, H] in the router's dtype, on its device."""
         _checks.expect_tensor("calibration", samples)
         _checks.expect_dtype("calibration", samples, _checks.FLOAT_DTYPES)
+        if samples.is_meta and not self.router.weight.is_meta:
+            raise ValueError(f"calibration: on meta, which holds no values; the layer is on {self.router.weight.device}")
         if samples.dim() < 1 or samples.shape[-1] != self.hidden_size or samples.numel() == 0:
             raise ValueError(
                 f"calibration: expected sample hidden states [..., H={self.hidden_size}] with at least one token, "
@@ -252,7 +261,7 @@ class FusedMoE(nn.Module):
         "w13"/"gate_up_proj" [E, 2I, H], "w2"/"down_proj" [E, H, I], "w13_bias"/"gate_up_proj_bias"
         [E, 2I] and "w2_bias"/"down_proj_bias" [E, H] (any prefix; stacked w13 tensors are taken in the
         layer's own gate/up layout, per-expert gate and up rows are interleaved for an interleaved
-        activation); the router as "gate.weight"/"router.weight" (and ".bias"); "e_score_correction_bias".
+        activation); the router as "gate.weight"/"router.weight"; "e_score_correction_bias".
         Every tensor must be used exactly once: unknown names, non-float tensors, expert ids >=
         num_experts, a gate for an activation without one, biases for a layer without them, or two
         entries for the same tensor raise ValueError/TypeError. A projection not given keeps its stored
@@ -262,7 +271,7 @@ class FusedMoE(nn.Module):
         calibration: sample hidden states [..., H]. Required for a scheme with static activation scales
         (they depend on the weights, biases and router: see calibrate), refused for any other.
         """
-        items = list(weights.items() if isinstance(weights, Mapping) else weights)
+        items = self._checkpoint_items(weights)
         static = needs_calibration(self.scheme)
         if calibration is not None and not static:
             raise ValueError(f"calibration: scheme {self.scheme.describe()} has no static activation scales to calibrate; pass None")
@@ -278,8 +287,6 @@ class FusedMoE(nn.Module):
         copies: dict[str, tuple[str, torch.Tensor, torch.Tensor]] = {}  # destination -> (name, dest, src)
         seen: dict[tuple, str] = {}
         for name, tensor in items:
-            _checks.expect_tensor(f"weights[{name!r}]", tensor)
-            _checks.expect_dtype(f"weights[{name!r}]", tensor, _CHECKPOINT_DTYPES)
             key = self._destination(name)
             if key in seen:
                 raise ValueError(f"weights: {seen[key]!r} and {name!r} both give {'.'.join(map(str, key[1:]))}; give one")
@@ -316,7 +323,7 @@ class FusedMoE(nn.Module):
         for which in ("w13", "w2"):
             if (which, "bias") in new:
                 copies[which, "bias"] = (which, getattr(self, f"{which}_bias"), new[which, "bias"])
-        if not items:
+        if not items and calibration is None:
             return
         # Transactional: the router and biases are written first (the scales are calibrated through them),
         # and restored if quantizing or calibrating then fails.
@@ -335,6 +342,27 @@ class FusedMoE(nn.Module):
             for dest, old in backup:
                 dest.copy_(old)
             raise
+
+    def _checkpoint_items(self, weights) -> list[tuple[str, torch.Tensor]]:
+        """weights as (name, tensor) pairs, each a float tensor with values (not on meta, unless the layer
+        is) and finite: an inf or NaN weight would make every token routed to it NaN."""
+        if isinstance(weights, Mapping):
+            items = list(weights.items())
+        elif isinstance(weights, Iterable) and not isinstance(weights, (str, bytes, torch.Tensor)):
+            items = list(weights)
+        else:
+            raise TypeError(f"weights: expected a mapping or an iterable of (name, tensor) pairs, got {type(weights).__name__}")
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise TypeError(f"weights: expected (name: str, tensor) pairs, got {item!r:.80}")
+            name, t = item
+            _checks.expect_tensor(f"weights[{name!r}]", t)
+            _checks.expect_dtype(f"weights[{name!r}]", t, _CHECKPOINT_DTYPES)
+            if t.is_meta and not self.router.weight.is_meta:
+                raise ValueError(f"weights[{name!r}]: on meta, which holds no values; the layer is on {self.router.weight.device}")
+            if _checks.value_checks_enabled() and _checks.has_values(t) and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"weights[{name!r}]: holds NaN or inf")
+        return items
 
     def _destination(self, name: str) -> tuple:
         """Which tensor a checkpoint name loads: ("expert", which, part, kind, e), ("stacked", which, kind),

@@ -390,7 +390,8 @@ def quantize_weights(
     [T, H] (hidden states) and `intermediate_calibration` [T', I] (GEMM2's inputs: the activation
     outputs of routed pairs, which moe_ops.expert_intermediates computes; FusedMoE does this itself).
     Both are required there: GEMM2's input range depends on the weights and the routing, and a guess
-    saturates the fp8/int8 codes or the nvfp4 block scales."""
+    saturates the fp8/int8 codes or the nvfp4 block scales. Other schemes do not read them (so one call
+    can serve every scheme)."""
     if not isinstance(scheme, QuantScheme):
         raise TypeError(f"scheme: expected a QuantScheme, got {type(scheme).__name__}")
     _check_float_weight("w13", w13)

@@ -141,7 +141,8 @@ def test_expert_intermediates_with_an_expert_map():
 @pytest.mark.parametrize("name", list(STATIC))
 def test_load_weights_calibrates_static_scales(name):
     """The scales come from the given hidden states (GEMM1) and from GEMM2's inputs of the pairs the
-    layer's router picks for them, with the loaded weights; the layer is then accurate on hidden states
+    layer's router picks for them, with the loaded weights as stored (dequantized, as forward and
+    calibrate() read them; the float ones gave GEMM2's scale up to 12% off for mxfp4); the layer is then accurate on hidden states
     of that magnitude (20x the construction's samples)."""
     scheme = STATIC[name]
     layer = _layer(scheme)
@@ -153,7 +154,9 @@ def test_load_weights_calibrates_static_scales(name):
     a13, a2 = _act_scales(layer)
     assert a13.shape == a2.shape == (1,) and a13.dtype == a2.dtype == torch.float32
     assert torch.allclose(a13.double(), x.double().abs().max() / top, rtol=1e-6)
-    assert torch.allclose(a2.double(), _intermediates64(x, w13, ids).abs().max() / top, rtol=1e-5)
+    c, wq = layer.quant_config(), layer.scheme.weight
+    d13 = decode_weight(layer.w13, wq, c.w13_scale, c.w13_global_scale, c.w13_zero)  # as forward reads them
+    assert torch.allclose(a2.double(), _intermediates64(x, d13, ids).abs().max() / top, rtol=1e-5)
     # Checked on the calibration tokens: fresh ones may pass their amax and clip, as static scales do.
     with torch.no_grad():
         out = layer(x)
@@ -187,7 +190,7 @@ def test_load_weights_without_calibration_is_rejected(name):
         ({"gate.weight": torch.randn(E, H)}, None, r"calibration: scheme .* has static activation scales"),
         (weights, torch.randn(5, H // 2), r"calibration: expected sample hidden states \[\.\.\., H=128\] .* got shape \(5, 64\)"),
         (weights, nan_x, r"calibration: holds NaN or inf"),
-        ({**weights, "w13": inf_w13}, torch.randn(4, H), r"intermediate_calibration: holds NaN or inf"),
+        ({**weights, "w13": inf_w13}, torch.randn(4, H), r"weights\['w13'\]: holds NaN or inf"),
     ]
     for w, cal, match in bad:
         with pytest.raises(ValueError, match=match):
@@ -278,3 +281,24 @@ def test_calibration_on_cuda_matches_the_cpu(name):
         out = gpu(x.cuda())
     # tests/decoders.py decodes on the CPU: the reference reads a CPU copy of the calibrated CUDA layer
     assert relative_error(out, _reference(copy.deepcopy(gpu).cpu(), x)) <= BOUND[scheme.activation.dtype]
+
+
+def test_load_weights_and_calibrate_agree():
+    """Both calibrate GEMM2 on the stored weights; load_weights used the float ones before quantizing,
+    12% off calibrate()'s scale for mxfp4 weights (the fp8 activations then clipped)."""
+    scheme = QuantScheme(ActivationQuant("fp8", PER_TENSOR, static=True), WeightQuant("mxfp4", GroupShape(1, 32)))
+    layer = _layer(scheme)
+    x = torch.randn(40, H, generator=generator(17))
+    layer.load_weights({"w13": torch.randn(E, 2 * I, H, generator=generator(18))}, calibration=x)
+    loaded = [t.clone() for t in _act_scales(layer)]
+    layer.calibrate(x)
+    for got, want in zip(loaded, _act_scales(layer)):
+        assert torch.allclose(got, want, rtol=1e-6)
+
+
+def test_empty_load_with_calibration_calibrates():
+    """load_weights({}, calibration=x) did nothing on a static scheme; now it calibrates, as calibrate(x)."""
+    layer = _layer(STATIC["fp8_per_tensor_static"])
+    x = 5 * torch.randn(16, H, generator=generator(19))
+    layer.load_weights({}, calibration=x)
+    assert torch.allclose(layer.a13_scale.double(), x.double().abs().max() / RANGE["fp8"], rtol=1e-6)

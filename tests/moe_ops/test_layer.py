@@ -710,3 +710,25 @@ def test_unquantized_layer_runs_under_autocast():
         out = _forward(layer, x)
     assert out.dtype == torch.bfloat16
     assert relative_error(out, want) <= tolerance(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "weights, exc, match",
+    [
+        ({"w13": torch.full((E, 2 * I, H), float("inf"))}, ValueError, r"weights\['w13'\]: holds NaN or inf"),
+        ({"gate.weight": torch.full((E, H), float("nan"))}, ValueError, r"weights\['gate.weight'\]: holds NaN or inf"),
+        ({"gate.weight": torch.empty(E, H, device="meta")}, ValueError, r"weights\['gate.weight'\]: on meta, which holds no values; the layer is on cpu"),
+        (None, TypeError, r"weights: expected a mapping or an iterable of \(name, tensor\) pairs, got NoneType"),
+        ("w13", TypeError, r"weights: expected a mapping or an iterable of \(name, tensor\) pairs, got str"),
+        ({1: torch.zeros(3)}, TypeError, r"weights: expected \(name: str, tensor\) pairs, got \(1, tensor"),
+    ],
+    ids=["inf_weight", "nan_router", "meta", "none", "str", "int_name"],
+)
+def test_load_rejects_unreadable_checkpoints(weights, exc, match):
+    """Non-finite values loaded silently (every token routed to that expert came out NaN); a meta tensor
+    raised NotImplementedError from inside torch; a malformed container raised errors naming nothing."""
+    layer = _layer()
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(exc, match=match):
+        layer.load_weights(weights)
+    assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
