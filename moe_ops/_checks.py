@@ -48,7 +48,8 @@ def expect_same_device(tensors: dict[str, torch.Tensor | None]) -> torch.device:
 
 
 def expect_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
-    if t.numel() > 0 and t.stride(-1) != 1:
+    # stride first: with an unbacked token count, numel() > 0 would be a data-dependent guard
+    if t.stride(-1) != 1 and t.numel() > 0:
         raise ValueError(
             f"{name}: the last dimension must be contiguous (stride 1), got strides {t.stride()}; call .contiguous()"
         )
@@ -88,7 +89,7 @@ def has_values(t: torch.Tensor) -> bool:
 
 def expect_values_in_range(name: str, t: torch.Tensor, low: int, high: int, what: str) -> None:
     """Eager-only: every value of t lies in [low, high). Skipped for tensors without values (meta, fake)."""
-    if t.numel() == 0 or not value_checks_enabled() or not has_values(t):
+    if not value_checks_enabled() or not has_values(t) or t.numel() == 0:  # numel last: a guard under compile
         return
     bad = (t < low) | (t >= high)
     if bool(bad.any()):

@@ -115,6 +115,30 @@ def test_dynamic_one_graph_for_all_token_counts():
 
 
 @torch.no_grad()
+def test_unbacked_token_count_one_graph():
+    """The README's other way to one graph for every token count: mark the token dimension unbacked.
+    It failed for every M ("Could not guard on data-dependent expression 64*u0 > 0"): argument checks
+    asked numel() > 0 before anything else."""
+    _reset()
+    model = Model().eval()
+    backend = Recorder("inductor")
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=backend)
+    tol = tolerance(torch.float32)
+    for i, m in enumerate(TOKENS):
+        x = torch.randn(m, H)
+        torch._dynamo.decorators.mark_unbacked(x, 0)
+        if i == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+        try:
+            out = compiled(x)
+        finally:
+            torch.compiler.set_stance("default")
+        assert out.shape == (m, H)
+        assert relative_error(out, model(x)) <= tol, m
+    assert _unique_graphs() == 1
+
+
+@torch.no_grad()
 def test_dynamic_default_specialisation_starting_at_seven_tokens():
     """Without backed_size_oblivious, dynamic=True still gives one graph for 7, 64, 300 tokens; a
     single token then specialises (as the README says), with a correct result."""
