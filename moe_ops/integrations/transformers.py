@@ -74,6 +74,14 @@ def moe_ops_experts_forward(
 ) -> torch.Tensor:
     """ExpertsInterface forward: hidden_states [S, H], top_k_index [S, k], top_k_weights [S, k] -> [S, H]."""
     up = self.gate_up_proj if self.has_gate else self.up_proj
+    for name, w in (("gate_up_proj" if self.has_gate else "up_proj", up), ("down_proj", self.down_proj)):
+        if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            # A quantized checkpoint's experts (fp8 storage, say) would have their scales elsewhere: reading
+            # the codes as values would be silently wrong, and casting the input to them meaningless.
+            raise NotImplementedError(
+                f"{type(self).__name__}.{name}: dtype {w.dtype}; the moe_ops experts implementation reads float "
+                "experts (float32/float16/bfloat16), not quantized checkpoints"
+            )
     # transformers stores transposed experts as [E, H, N]; a transposed view is [E, N, H] column-major.
     w13 = up.transpose(1, 2) if self.is_transposed else up
     w2 = self.down_proj.transpose(1, 2) if self.is_transposed else self.down_proj

@@ -338,3 +338,15 @@ def test_registers_when_transformers_was_imported_first():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_quantized_experts_are_refused_by_name():
+    """Experts stored in fp8 (a quantized checkpoint's codes, scales kept elsewhere): the input was cast
+    to fp8 and fused_experts then named hidden_states, which the caller never gave in fp8."""
+    from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeExperts
+
+    experts = Lfm2MoeExperts(transformers.Lfm2MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4))
+    experts.gate_up_proj.data = experts.gate_up_proj.data.to(torch.float8_e4m3fn)
+    ids = torch.zeros(3, 2, dtype=torch.int64)
+    with pytest.raises(NotImplementedError, match=r"Lfm2MoeExperts.gate_up_proj: dtype torch.float8_e4m3fn; the moe_ops experts implementation reads float experts"):
+        INTEGRATION.moe_ops_experts_forward(experts, torch.randn(3, 16), ids, torch.rand(3, 2))
