@@ -223,10 +223,15 @@ def _e2m1_half_step(v):
                                                 ((3, 4, 0), -1, (3, 4)), ((0, 5), None, ())])  # fmt: skip
 def test_nvfp4_global_scale_of_an_empty_extent_keeps_the_kept_dims(shape, dims, want):
     """One scale per kept index, as for non-empty inputs (it came back 0-d for any empty x), each the
-    smallest scale since an empty group's amax is taken as 0."""
+    smallest scale since an empty group's amax is taken as 0: the floor 1e-12, never 0 (a zero global
+    scale divides the block scales by zero)."""
     g = formats.nvfp4_global_scale(torch.randn(shape), dims)
     assert g.shape == want and g.dtype == torch.float32
-    assert (g == formats.nvfp4_global_scale(torch.zeros(1))).all()
+    assert (g == torch.tensor(1e-12, dtype=torch.float32)).all()
+    # and a zero block quantized with that scale decodes to exact zeros
+    floor = torch.tensor([1e-12])
+    packed, block = formats.quantize_nvfp4(torch.zeros(2, 16), floor)
+    assert torch.equal(formats.dequantize(packed, "nvfp4", (1, 16), block, floor), torch.zeros(2, 16))
 
 
 def test_nvfp4_quantize_error_bound():
