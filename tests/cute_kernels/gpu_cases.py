@@ -18,11 +18,15 @@ def weights(e, h, i, dtype=torch.bfloat16, device="cuda", gated=True):
 
 
 def routing(m, e, k, device="cuda", skew: float = 0.0):
-    """Random top-k routing; with skew, that fraction of the pairs goes to expert 0 (k distinct ids per token)."""
+    """Random top-k routing (k distinct ids per token, weights summing to 1); with skew, that fraction of
+    the tokens has expert 0 among its ids. The skew moves ids, not weights: every pair keeps a weight of
+    above 0.09 / k, so each grouped GEMM2 row shows in the output (a logit of 1e4 gave the other k - 1
+    pairs of a skewed token weight 0, hiding their rows)."""
     logits = torch.randn(m, e, device=device)
-    if skew:
-        logits[torch.rand(m, device=device) < skew, 0] = 1e4
-    topk_weights, topk_ids = torch.softmax(logits, -1).topk(k, dim=-1)
+    topk_ids = logits.topk(k, dim=-1).indices
+    skewed = (torch.rand(m, device=device) < skew) & (topk_ids != 0).all(dim=-1)
+    topk_ids[skewed, -1] = 0  # expert 0 replaces the token's last pick: the ids stay distinct
+    topk_weights = torch.rand(m, k, device=device) + 0.1
     return (topk_weights / topk_weights.sum(-1, keepdim=True)).float().contiguous(), topk_ids.to(torch.int32).contiguous()
 
 

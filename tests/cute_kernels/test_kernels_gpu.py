@@ -186,3 +186,4 @@ def test_cuda_graph_replay_matches_eager(interface, early):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, layer()), "graph replay differs from eager"
+        assert rel_err(out, reference(x, w13, w2, tw, ti)[1]) < TOL, "graph replay differs from the reference ops"

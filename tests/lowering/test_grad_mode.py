@@ -8,6 +8,7 @@ from torch._inductor.utils import run_and_get_code
 
 import lowering
 import moe_ops
+from moe_ops.reference import relative_error, tolerance
 
 E, K, H, I = 8, 2, 64, 128
 
@@ -29,10 +30,13 @@ def test_chain_fused_in_grad_mode():
 
 @pytest.mark.gpu
 def test_chain_runs_the_kernels_in_grad_mode():
-    """On the GPU in grad mode the fused ops run the CuTe DSL kernels (require_kernels: no fallback) and
-    give the output of the same compiled layer under no_grad."""
+    """On the GPU in grad mode the fused ops run the CuTe DSL kernels (require_kernels: no fallback),
+    give the output of the same compiled layer under no_grad, and agree with the unfused eager layer
+    (moe_ops' reference ops) to bf16 rounding."""
     layer = moe_ops.FusedMoE(E, K, H, I, dtype=torch.bfloat16, device="cuda")
     x = torch.randn(37, H, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = layer(x)
     torch._dynamo.reset()
     with lowering.enabled(require_kernels=True):
         compiled = torch.compile(layer, fullgraph=True)
@@ -41,3 +45,4 @@ def test_chain_runs_the_kernels_in_grad_mode():
         out = compiled(x)
     assert out.requires_grad
     assert torch.equal(out, want)
+    assert relative_error(out, eager) <= tolerance(torch.bfloat16)

@@ -230,27 +230,28 @@ def test_weighted_reduce(m, k, dropped, dtype):
 
 # Arguments the real and fake quantize disagreed on (a static scale with a per-token group: real [1, 1],
 # fake [M, 1]) or crashed on (nvfp4 without its global scale): both impls now reject them alike.
+# name -> (dtype, group, static scale given, global scale given, the error both impls raise)
 BAD_QUANTIZE = {
-    "static_scale_per_token": ("fp8", [1, -1], True, False),
-    "static_scale_1x128": ("fp8", [1, 128], True, False),
-    "static_scale_nvfp4": ("nvfp4", [1, 16], True, True),
-    "nvfp4_without_global_scale": ("nvfp4", [1, 16], False, False),
-    "global_scale_for_fp8": ("fp8", [-1, -1], False, True),
-    "int8_1x32": ("int8", [1, 32], False, False),
-    "unknown_dtype": ("int4", [1, -1], False, False),
-    "nvfp4_odd_k": ("nvfp4", [1, 16], False, True),
-}
+    "static_scale_per_token": ("fp8", [1, -1], True, False, r"ActivationQuant.static: only per-tensor scales can be static, got group per-row"),
+    "static_scale_1x128": ("fp8", [1, 128], True, False, r"ActivationQuant.static: only per-tensor scales can be static, got group 1x128"),
+    "static_scale_nvfp4": ("nvfp4", [1, 16], True, True, r"ActivationQuant.static: only per-tensor scales can be static, got group 1x16"),
+    "nvfp4_without_global_scale": ("nvfp4", [1, 16], False, False, r"global_scale: nvfp4 needs its float32 global scale \[1\], got None"),
+    "global_scale_for_fp8": ("fp8", [-1, -1], False, True, r"global_scale: only nvfp4 uses a global scale, got one for fp8"),
+    "int8_1x32": ("int8", [1, 32], False, False, r"ActivationQuant.group: 1x32 is not a int8 group shape"),
+    "unknown_dtype": ("int4", [1, -1], False, False, r"dtype: got 'int4'; allowed: 'fp8', 'int8', 'nvfp4'"),
+    "nvfp4_odd_k": ("nvfp4", [1, 16], False, True, r"x: nvfp4 packs two values per byte; K must be even, got K=127"),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(BAD_QUANTIZE))
 def test_quantize_rejects_bad_args_real_and_fake(case):
-    fmt, group, static, with_global = BAD_QUANTIZE[case]
+    fmt, group, static, with_global, match = BAD_QUANTIZE[case]
     m = int(torch.randint(2, 9, ()))
     x = torch.randn(m, 127 if case == "nvfp4_odd_k" else 128)
     scale = torch.rand(1) * 0.02 + 0.005 if static else None
     global_scale = torch.rand(1) * 0.01 + 1e-3 if with_global else None
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=match):
         quantize(x, fmt, group, scale, global_scale)
-    with FakeTensorMode() as mode, pytest.raises(ValueError):
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match=match):
         quantize(mode.from_tensor(x), fmt, group, scale if scale is None else mode.from_tensor(scale),
                  global_scale if global_scale is None else mode.from_tensor(global_scale))  # fmt: skip
