@@ -87,6 +87,18 @@ def has_values(t: torch.Tensor) -> bool:
     return not (t.is_meta or is_fake(t))
 
 
+# expect_finite's reason for calibration samples
+NAN_SCALES = "; static activation scales calibrated on it would be NaN/inf"
+
+
+def expect_finite(name: str, t: torch.Tensor, why: str = "") -> None:
+    """Eager-only: t holds no NaN or inf (why: appended to the message). Skipped for tensors without values."""
+    if not value_checks_enabled() or not has_values(t) or t.numel() == 0:  # numel last: a guard under compile
+        return
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name}: holds NaN or inf{why}")
+
+
 def expect_values_in_range(name: str, t: torch.Tensor, low: int, high: int, what: str) -> None:
     """Eager-only: every value of t lies in [low, high). Skipped for tensors without values (meta, fake)."""
     if not value_checks_enabled() or not has_values(t) or t.numel() == 0:  # numel last: a guard under compile

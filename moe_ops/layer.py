@@ -132,7 +132,7 @@ class FusedMoE(nn.Module):
             else:
                 q = new["w13"]
                 float13 = dequantize_weight(q["q"], wq, q["scale"], q["global_scale"], q["zero"])
-            scales = static_activation_scales(self.scheme, x, self._intermediates(x, float13))
+            scales = self._static_scales(x, float13)
         for which, q in new.items():
             if wq is None:
                 setattr(self, which, nn.Parameter(q, requires_grad=False))
@@ -140,6 +140,17 @@ class FusedMoE(nn.Module):
             self.register_buffer(which, q["q"])
             for key in ("scale", "global_scale", "zero"):
                 self.register_buffer(f"{which}_{key}", q[key])
+        self._write_scales(scales)
+
+    def _static_scales(self, x: torch.Tensor, w13: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The static activation scales for tokens x [T, H] (the layer's dtype) and float w13, routed by
+        this layer's router: GEMM1's from x, GEMM2's from the routed pairs' activation outputs."""
+        with torch.no_grad():
+            _, topk_ids = self.routing_for(x)
+        inter = expert_intermediates(x, w13, topk_ids, activation=self.activation, w13_bias=self.w13_bias)
+        return static_activation_scales(self.scheme, x, inter)
+
+    def _write_scales(self, scales: dict[str, torch.Tensor]) -> None:
         for name, t in scales.items():
             self.register_buffer(name, t.to(self.w13.device))
         self._refresh_quant_config()
@@ -155,16 +166,9 @@ class FusedMoE(nn.Module):
                 f"calibration: expected sample hidden states [..., H={self.hidden_size}] with at least one token, "
                 f"got shape {tuple(samples.shape)}"
             )
-        if _checks.value_checks_enabled() and _checks.has_values(samples) and not bool(torch.isfinite(samples).all()):
-            raise ValueError("calibration: holds NaN or inf; static activation scales calibrated on it would be NaN/inf")
+        _checks.expect_finite("calibration", samples, _checks.NAN_SCALES)
         weight = self.router.weight
         return samples.detach().reshape(-1, self.hidden_size).to(device=weight.device, dtype=weight.dtype)
-
-    def _intermediates(self, x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
-        """GEMM2's inputs for tokens x [T, H] with float w13, routed by this layer's router."""
-        with torch.no_grad():
-            _, topk_ids = self.routing_for(x)
-        return expert_intermediates(x, w13, topk_ids, activation=self.activation, w13_bias=self.w13_bias)
 
     @torch.no_grad()
     def calibrate(self, samples: torch.Tensor) -> None:
@@ -175,10 +179,7 @@ class FusedMoE(nn.Module):
         if not needs_calibration(self.scheme):
             raise ValueError(f"calibrate: scheme {self.scheme.describe()} has no static activation scales to calibrate")
         x = self._calibration_inputs(samples)
-        scales = static_activation_scales(self.scheme, x, self._intermediates(x, self.float_weights()[0]))
-        for name, t in scales.items():
-            self.register_buffer(name, t.to(self.w13.device))
-        self._refresh_quant_config()
+        self._write_scales(self._static_scales(x, self.float_weights()[0]))
 
     def quant_config(self) -> QuantConfig:
         """The QuantConfig of this layer's buffers (biases are passed separately). Built when the
@@ -306,10 +307,10 @@ class FusedMoE(nn.Module):
                 given_per_expert = [p for p in parts[which] if (which, p, kind) in per_expert]
                 if (which, kind) in stacked and given_per_expert:
                     raise ValueError(f"weights: {which} {kind} given both stacked ({stacked[which, kind][0]!r}) and per expert; give one")
-                current = getattr(self, which) if kind == "weight" else getattr(self, f"{which}_bias")
                 shape = (self.num_experts, self.n13 if which == "w13" else self.hidden_size)
                 shape += ((self.hidden_size if which == "w13" else self.intermediate_size),) if kind == "weight" else ()
-                if kind == "bias" and current is None and ((which, kind) in stacked or given_per_expert):
+                given = (which, kind) in stacked or given_per_expert
+                if kind == "bias" and given and getattr(self, f"{which}_bias") is None:
                     raise ValueError(f"weights: {which}_bias given, but the layer has no expert biases (expert_bias=False)")
                 t = stacked[which, kind][1] if (which, kind) in stacked else self._stack(per_expert, which, kind, parts[which], shape)
                 if t is None:
@@ -360,8 +361,7 @@ class FusedMoE(nn.Module):
             _checks.expect_dtype(f"weights[{name!r}]", t, _CHECKPOINT_DTYPES)
             if t.is_meta and not self.router.weight.is_meta:
                 raise ValueError(f"weights[{name!r}]: on meta, which holds no values; the layer is on {self.router.weight.device}")
-            if _checks.value_checks_enabled() and _checks.has_values(t) and not bool(torch.isfinite(t).all()):
-                raise ValueError(f"weights[{name!r}]: holds NaN or inf")
+            _checks.expect_finite(f"weights[{name!r}]", t)
         return items
 
     def _destination(self, name: str) -> tuple:

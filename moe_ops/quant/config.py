@@ -334,9 +334,7 @@ def _check_samples(name: str, samples, width: int, what: str) -> None:
     _checks.expect_dtype(name, samples, _WEIGHT_INPUT_DTYPES)
     if samples.dim() < 1 or samples.shape[-1] != width or samples.numel() == 0:
         raise ValueError(f"{name}: expected {what} with T >= 1, got shape {tuple(samples.shape)}")
-    if _checks.value_checks_enabled() and _checks.has_values(samples):
-        if not bool(torch.isfinite(samples).all()):
-            raise ValueError(f"{name}: holds NaN or inf; static activation scales calibrated on it would be NaN/inf")
+    _checks.expect_finite(name, samples, _checks.NAN_SCALES)
 
 
 def needs_calibration(scheme: QuantScheme) -> bool:
@@ -366,8 +364,7 @@ def static_activation_scales(scheme: QuantScheme, calibration: torch.Tensor, int
         _checks.expect_dtype(name, samples, _WEIGHT_INPUT_DTYPES)
         if samples.numel() == 0:
             raise ValueError(f"{name}: no samples, got shape {tuple(samples.shape)}")
-        if _checks.value_checks_enabled() and _checks.has_values(samples) and not bool(torch.isfinite(samples).all()):
-            raise ValueError(f"{name}: holds NaN or inf; static activation scales calibrated on it would be NaN/inf")
+        _checks.expect_finite(name, samples, _checks.NAN_SCALES)
     for which, samples in (("13", calibration), ("2", intermediate_calibration)):
         amax = samples.float().abs().amax().clamp(min=1e-6)
         out[f"a{which}_{key}"] = (amax / _STATIC_RANGE[a.dtype]).reshape(1)
