@@ -9,6 +9,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# Float inputs that are only read, never computed in (checkpoints, calibration samples): float64 too.
+SOURCE_FLOAT_DTYPES = (*FLOAT_DTYPES, torch.float64)
 
 
 def _names(values: Iterable) -> str:

@@ -214,16 +214,15 @@ def expert_intermediates(
     other ranks are zero). hidden_states [M, H]; w13 [E, 2I, H] (or [E, I, H]) unquantized; topk_ids
     [M, k]. Computed in float32 with the reference ops, so it can run on samples before quantizing."""
     act = resolve_activation(activation)
-    floats = (*_checks.FLOAT_DTYPES, torch.float64)
     for name, t in (("hidden_states", hidden_states), ("w13", w13), ("topk_ids", topk_ids)):
         _checks.expect_tensor(name, t)
     for name, t in (("w13_bias", w13_bias), ("expert_map", expert_map)):
         if t is not None:
             _checks.expect_tensor(name, t)
     _checks.expect_ndim("hidden_states", hidden_states, 2, "[M, H]")
-    _checks.expect_dtype("hidden_states", hidden_states, floats)
+    _checks.expect_dtype("hidden_states", hidden_states, _checks.SOURCE_FLOAT_DTYPES)
     _checks.expect_ndim("w13", w13, 3, "[E, 2I, H] (or [E, I, H] without a gate)")
-    _checks.expect_dtype("w13", w13, floats)
+    _checks.expect_dtype("w13", w13, _checks.SOURCE_FLOAT_DTYPES)
     _checks.expect_ndim("topk_ids", topk_ids, 2, "[M, k]")
     _checks.expect_dtype("topk_ids", topk_ids, _checks.INDEX_DTYPES)
     num_experts, n13, hidden = w13.shape
@@ -236,7 +235,7 @@ def expert_intermediates(
         raise ValueError(f"topk_ids: expected [M={m}, k], got {tuple(topk_ids.shape)}")
     if w13_bias is not None:
         _checks.expect_shape("w13_bias", w13_bias, (num_experts, n13), "[E, N]")
-        _checks.expect_dtype("w13_bias", w13_bias, floats)
+        _checks.expect_dtype("w13_bias", w13_bias, _checks.SOURCE_FLOAT_DTYPES)
     num_global = _check_expert_map(expert_map, num_experts)
     _checks.expect_same_device(
         {"hidden_states": hidden_states, "w13": w13, "topk_ids": topk_ids, "w13_bias": w13_bias, "expert_map": expert_map}

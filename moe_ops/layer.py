@@ -35,8 +35,6 @@ _STACKED = {
     "w13": ("w13", "weight"), "gate_up_proj": ("w13", "weight"), "w2": ("w2", "weight"), "down_proj": ("w2", "weight"),
     "w13_bias": ("w13", "bias"), "gate_up_proj_bias": ("w13", "bias"), "w2_bias": ("w2", "bias"), "down_proj_bias": ("w2", "bias"),
 }  # fmt: skip
-# Checkpoints hold float tensors; the layer converts them to its dtype (and quantizes them).
-_CHECKPOINT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _ROUTER = {"gate.weight": "weight", "router.weight": "weight", "gate.bias": "bias", "router.bias": "bias"}
 _CONFIG_BUFFERS = (
     "w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale", "w13_zero", "w2_zero",
@@ -358,7 +356,7 @@ class FusedMoE(nn.Module):
                 raise TypeError(f"weights: expected (name: str, tensor) pairs, got {item!r:.80}")
             name, t = item
             _checks.expect_tensor(f"weights[{name!r}]", t)
-            _checks.expect_dtype(f"weights[{name!r}]", t, _CHECKPOINT_DTYPES)
+            _checks.expect_dtype(f"weights[{name!r}]", t, _checks.SOURCE_FLOAT_DTYPES)
             if t.is_meta and not self.router.weight.is_meta:
                 raise ValueError(f"weights[{name!r}]: on meta, which holds no values; the layer is on {self.router.weight.device}")
             _checks.expect_finite(f"weights[{name!r}]", t)

@@ -286,13 +286,10 @@ _WEIGHT_QUANTIZERS = {
 }
 
 
-_WEIGHT_INPUT_DTYPES = (*_checks.FLOAT_DTYPES, torch.float64)
-
-
 def _check_float_weight(name: str, w) -> None:
     _checks.expect_tensor(name, w)
     _checks.expect_ndim(name, w, 3, "[E, N, K] float expert weights")
-    _checks.expect_dtype(name, w, _WEIGHT_INPUT_DTYPES)
+    _checks.expect_dtype(name, w, _checks.SOURCE_FLOAT_DTYPES)
 
 
 def _check_weight_groups(name: str, w: torch.Tensor, wq: WeightQuant) -> None:
@@ -331,7 +328,7 @@ _STATIC_RANGE = {"fp8": formats.FP8_MAX, "int8": formats.INT8_MAX, "nvfp4": form
 
 def _check_samples(name: str, samples, width: int, what: str) -> None:
     _checks.expect_tensor(name, samples)
-    _checks.expect_dtype(name, samples, _WEIGHT_INPUT_DTYPES)
+    _checks.expect_dtype(name, samples, _checks.SOURCE_FLOAT_DTYPES)
     if samples.dim() < 1 or samples.shape[-1] != width or samples.numel() == 0:
         raise ValueError(f"{name}: expected {what} with T >= 1, got shape {tuple(samples.shape)}")
     _checks.expect_finite(name, samples, _checks.NAN_SCALES)
@@ -361,7 +358,7 @@ def static_activation_scales(scheme: QuantScheme, calibration: torch.Tensor, int
     out = {}
     for name, samples in (("calibration", calibration), ("intermediate_calibration", intermediate_calibration)):
         _checks.expect_tensor(name, samples)
-        _checks.expect_dtype(name, samples, _WEIGHT_INPUT_DTYPES)
+        _checks.expect_dtype(name, samples, _checks.SOURCE_FLOAT_DTYPES)
         if samples.numel() == 0:
             raise ValueError(f"{name}: no samples, got shape {tuple(samples.shape)}")
         _checks.expect_finite(name, samples, _checks.NAN_SCALES)
