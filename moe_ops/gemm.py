@@ -88,6 +88,18 @@ def check_gemm_args(
     for name, scale, fmt in (("a_scale", a_scale, a_dtype), ("w_scale", w_scale, w_dtype)):
         if fmt != "none" and scale is None:
             raise ValueError(f"{name}: {fmt!r} values need their scales, got None")
+    # nvfp4's values are off by exactly their global scale without it, and no other format has one:
+    # either mistake would pass silently through the dequantization.
+    for name, scale, fmt in (("a_global_scale", a_global_scale, a_dtype), ("w_global_scale", w_global_scale, w_dtype)):
+        if (scale is not None) != (fmt in formats.GLOBAL_SCALE_FORMATS):
+            wants = "needs its float32 global scale" if scale is None else "has no global scale (nvfp4 only)"
+            raise ValueError(f"{name}: {fmt!r} {wants}, got {'None' if scale is None else tuple(scale.shape)}")
+    if w_global_scale is not None and w_global_scale.numel() not in (1, w.shape[0]):
+        raise ValueError(f"w_global_scale: expected one value or one per expert [{w.shape[0]}], got shape {tuple(w_global_scale.shape)}")
+    if a_global_scale is not None and a_global_scale.numel() != 1:
+        raise ValueError(f"a_global_scale: expected one value [1], got shape {tuple(a_global_scale.shape)}")
+    if w_zero is not None and w_dtype != "int4":
+        raise ValueError(f"w_zero: zero points are for int4 weights only, got one for w_dtype={w_dtype!r}")
     k_a, k_w = a.shape[1] * _A_PACKING[a_dtype], w.shape[2] * _W_PACKING[w_dtype]
     if k_a != k_w:
         raise ValueError(

@@ -445,13 +445,18 @@ def dequantize_weight(w: torch.Tensor, wq: WeightQuant | None, scale=None, globa
     e, n, k = w.shape[0], w.shape[1], w.shape[2] * wq.packing
     _checks.expect_tensor("scale", scale)
     _checks.expect_shape("scale", scale, (e, *formats.scale_shape(wq.group.astuple(), n, k)), f"[E, ...] for {wq.dtype} {wq.group}")
+    # The dtype says how the scale reads: float32 powers of two taken as mxfp4's e8m0 exponents decode ~0.
+    _checks.expect_dtype("scale", scale, wq.scale_dtypes)
     if wq.dtype == "nvfp4":
         _checks.expect_tensor("global_scale", global_scale)  # without it the values are off by the global scale
+        _checks.expect_shape("global_scale", global_scale, (e,), "[E]")
+        _checks.expect_dtype("global_scale", global_scale, (torch.float32,))
     elif global_scale is not None:
         raise ValueError(f"global_scale: only nvfp4 weights have one, got one for {wq.dtype}")
     if wq.zero_point:
         _checks.expect_tensor("zero", zero)
         _checks.expect_shape("zero", zero, tuple(scale.shape), "the scale's shape")
+        _checks.expect_dtype("zero", zero, (torch.uint8,))
     elif zero is not None:
         raise ValueError(f"zero: {wq.dtype} {wq.group} without zero points takes none")
     return formats.dequantize(w, wq.dtype, wq.group.astuple(), scale, global_scale, zero)

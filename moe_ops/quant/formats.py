@@ -26,6 +26,8 @@ E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _TINY = 1e-12
+# Formats whose values carry a float32 global scale besides their group scales.
+GLOBAL_SCALE_FORMATS = frozenset({"nvfp4"})
 
 
 def cdiv(a: int, b: int) -> int:
@@ -46,11 +48,12 @@ def scale_shape(group: tuple[int, int], rows: int, cols: int) -> tuple[int, int]
 
 
 def group_amax(x: torch.Tensor, group: tuple[int, int]) -> torch.Tensor:
-    """float32 [..., R, C] -> [..., cdiv(R, gr), cdiv(C, gc)]: the largest |x| of each group. A NaN makes
-    its group's amax NaN when the group lies within one row (a token's own scale says its values are
-    undefined), and is skipped in groups over several rows (per-tensor, 2-D blocks), as vLLM's fmaxf
-    amax skips it: one token's NaN (a garbage padding row of a captured batch) must not turn every
-    other token's scale, hence output, into NaN. It still stays NaN in its own fp8 value."""
+    """float32 [..., R, C] -> [..., cdiv(R, gr), cdiv(C, gc)]: the largest |x| of each group. A NaN or
+    inf makes its group's amax NaN or inf when the group lies within one row (a token's own scale says
+    its values are undefined), and is skipped in groups over several rows (per-tensor, 2-D blocks): one
+    token's NaN or inf (a garbage padding row of a captured batch, an fp16 overflow) must not turn every
+    other token's scale, hence output, into NaN or zero. vLLM's fmaxf amax skips NaN only, so there one
+    inf token zeroes the batch. The bad values stay NaN in their own fp8 codes (quantize_fp8)."""
     *lead, rows, cols = x.shape
     gr, gc = group_dims(group, rows, cols)
     sr, sc = scale_shape(group, rows, cols)
@@ -58,7 +61,7 @@ def group_amax(x: torch.Tensor, group: tuple[int, int]) -> torch.Tensor:
         return x.new_zeros((*lead, sr, sc), dtype=torch.float32)
     magnitude = x.float().abs()
     if gr != 1:
-        magnitude = torch.where(magnitude.isnan(), 0.0, magnitude)
+        magnitude = torch.where(magnitude.isfinite(), magnitude, 0.0)
     padded = torch.nn.functional.pad(magnitude, (0, sc * gc - cols, 0, sr * gr - rows))
     return padded.view(*lead, sr, gr, sc, gc).amax(dim=(-3, -1))
 
@@ -100,18 +103,23 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """float -> uint8 e2m1 codes (0..15), round to nearest with ties to even (the even code: 0.25 -> 0,
     0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4, as NVIDIA's cvt.rn.satfinite.e2m1x2 and
     OCP MX conversion round), saturating at +-6."""
-    mids = torch.tensor(_E2M1_MIDPOINTS, device=x.device, dtype=torch.float32)
-    a = x.float().abs()
-    up = torch.bucketize(a, mids, right=True)  # 0..7, a tie goes to the larger magnitude
-    down = torch.bucketize(a, mids, right=False)  # a tie goes to the smaller; equal to `up` off ties
+    a = x.float().abs().nan_to_num(nan=E2M1_MAX)  # e2m1 has no NaN: the largest code, as satfinite gives
+    # Comparisons with Python floats, not a table tensor: building one on x's device is a host-to-device
+    # copy on every call, which syncs and cannot be captured in a CUDA graph.
+    up = sum((a >= mid).to(torch.uint8) for mid in _E2M1_MIDPOINTS)  # a tie goes to the larger magnitude
+    down = sum((a > mid).to(torch.uint8) for mid in _E2M1_MIDPOINTS)  # a tie goes to the smaller
     magnitude = torch.where(down % 2 == 0, down, up)  # at a tie, whichever code is even
     sign = (x < 0).to(torch.uint8) << 3
-    return magnitude.to(torch.uint8) | sign
+    return magnitude | sign
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(E2M1_VALUES, device=codes.device, dtype=torch.float32)
-    return table[codes.long()]
+    """uint8 e2m1 codes (0..15) -> float32 values (E2M1_VALUES), by arithmetic on the code's fields
+    (sign, 2-bit exponent, 1-bit mantissa) rather than a table built on the device (see e2m1_encode)."""
+    c = codes.to(torch.int32)
+    exponent, mantissa = ((c >> 1) & 3).float(), (c & 1).float()
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa, torch.exp2(exponent - 1) * (1 + 0.5 * mantissa))
+    return torch.where((c & 8) != 0, -magnitude, magnitude)
 
 
 E8M0_NAN = 255  # e8m0 has no infinity; 0xFF is its NaN
@@ -138,16 +146,21 @@ def e8m0_decode(biased: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8(x: torch.Tensor, group, scale: torch.Tensor | None = None):
-    """fp8 e4m3: dynamic scale amax / 448 per group, or the given (static) scale."""
+    """fp8 e4m3: dynamic scale amax / 448 per group, or the given (static) scale. Finite values beyond
+    the scale's range saturate at +-448; NaN and inf become the fp8 NaN (e4m3fn has no inf), so a
+    non-finite input shows in its own token's output instead of passing as a saturated number."""
     if scale is None:
         scale = (group_amax(x, group) / FP8_MAX).clamp(min=_TINY)
     full = expand_groups(scale.float(), group, x.shape[-2], x.shape[-1])
-    q = (x.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    xf = x.float()
+    q = torch.where(xf.isinf(), float("nan"), (xf / full).clamp(-FP8_MAX, FP8_MAX)).to(torch.float8_e4m3fn)
     return q, scale.float()
 
 
 def quantize_int8(x: torch.Tensor, group, scale: torch.Tensor | None = None):
-    """Symmetric int8: dynamic scale amax / 127 per group, or the given (static) scale."""
+    """Symmetric int8: dynamic scale amax / 127 per group, or the given (static) scale. int8 has no NaN:
+    NaN becomes 0 and inf saturates at +-127, as vLLM's kernels give (a non-finite token's output is
+    then finite, unlike fp8's)."""
     if scale is None:
         scale = (group_amax(x, group) / INT8_MAX).clamp(min=_TINY)
     full = expand_groups(scale.float(), group, x.shape[-2], x.shape[-1])
@@ -207,7 +220,10 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor):
 
 def quantize_mxfp4(x: torch.Tensor):
     """mxfp4 (OCP MX): e2m1 values in groups of 32 along the last dim with e8m0 power-of-two scales.
-    Returns (packed uint8, scale uint8 e8m0)."""
+    Returns (packed uint8, scale uint8 e8m0). The scale is amax / 6 rounded up to a power of two, so no
+    element saturates; OCP MX v1.0's rule, 2**(floor(log2(amax)) - 2), is half of that for 40% of random
+    blocks and clips their largest elements to 6 (e.g. [7, 0.75, 1] decodes as [6, 1, 1] there, [8, 1, 1]
+    here), for a larger error overall. Both decode alike; only the codes differ from a spec quantizer's."""
     group = (1, 32)
     rows, cols = x.shape[-2:]
     biased = e8m0_encode(group_amax(x, group) / E2M1_MAX)

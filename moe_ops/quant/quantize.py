@@ -65,21 +65,25 @@ def check_quantize_args(x, dtype, group, scale, global_scale) -> None:
     check_quantize_recipe(dtype, group, scale, global_scale, x.shape[1])
 
 
-@torch.library.custom_op("moe_ops::quantize", mutates_args=())
-def quantize(
+def _quantize(
     x: torch.Tensor,
     dtype: str,
     group: list[int],
     scale: torch.Tensor | None,
     global_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference activation quantization; see the module docstring."""
+    """Reference activation quantization (the body of moe_ops::quantize); see the module docstring."""
     check_quantize_args(x, dtype, group, scale, global_scale)
     group_t = (group[0], group[1])
     static = scale.reshape(1, 1) if scale is not None else None
     q, s = _QUANTIZERS[dtype](x, group_t, static, global_scale)
     # A static scale comes back as a fresh tensor: custom ops may not return (aliases of) their inputs.
     return q.contiguous(), s.to(_SCALE_DTYPE[dtype]).clone().contiguous()
+
+
+# The body stays callable as _quantize: on meta tensors the op itself runs its fake impl, so a test of
+# the real impl's host syncs calls the body.
+quantize = torch.library.custom_op("moe_ops::quantize", _quantize, mutates_args=())
 
 
 @quantize.register_fake

@@ -416,6 +416,23 @@ def test_static_activation_scale_is_used(case):
     assert relative_error(out, ref_fine) > tol
 
 
+@pytest.mark.parametrize("case", ["fp8_w8a8_per_tensor_dynamic", "mxfp4_w4a8_per_tensor_dynamic"])
+def test_an_inf_token_leaves_the_others_under_a_dynamic_per_tensor_scale(case):
+    """One token of inf (an overflow upstream) is left out of the batch's amax at both GEMMs: the other
+    tokens come out as they do without it, and the bad token's output is not finite. Before, the scale
+    became inf and every token's output NaN."""
+    scheme, x, q13, q2, config, d13, d2, tw, ids, biases = _quant_layer(case, torch.float32, m=64)
+    bad = 5
+    x = x.clone()
+    x[bad] = float("inf")
+    others = torch.arange(x.shape[0]) != bad
+    out = fused_experts(x, q13, q2, tw, ids, quant_config=config)
+    without = fused_experts(x[others], q13, q2, tw[others], ids[others], quant_config=config)
+    assert not out[bad].isfinite().any()
+    assert out[others].isfinite().all()
+    assert_close_rel(out[others], without.double(), 1e-6, case)
+
+
 def test_factories_build_the_same_layer():
     """A config from the FACTORIES (here int4 with zero points and mxfp4 with per-token fp8
     activations) runs the same numbers as quantize_weights' config."""

@@ -6,9 +6,6 @@ shape, dtype and strides; bad arguments raise the same ValueError/TypeError in b
 compiles alone into one dynamic graph; no op reads a tensor value on the host."""
 from __future__ import annotations
 
-import contextlib
-from unittest import mock
-
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -16,6 +13,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_ops  # noqa: F401  (registers the ops)
 from moe_ops import gemm
+from moe_ops.quant import formats
+
+from ..host_reads import no_host_reads
 
 OPS = torch.ops.moe_ops
 E, N, K = 4, 48, 32  # N, K: 16-byte aligned rows, so float32 weights can take torch._grouped_mm
@@ -241,6 +241,23 @@ BAD = {
     "gemm_unknown_w_dtype": (lambda: _gemm(w_dtype="int2"), ValueError, r"w_dtype: got 'int2'; allowed: 'none', 'fp8'"),
     "gemm_int8_without_scale": (lambda: _gemm(w=torch.ones(E, N, K, dtype=torch.int8), w_dtype="int8", w_group=[1, -1]),
                                 ValueError, r"w_scale: 'int8' values need their scales, got None"),
+    # Before: nvfp4 without its global scale gave values off by exactly 1/global (x788 in the review's
+    # case), and a global scale given to another format was applied.
+    "gemm_nvfp4_w_without_global": (lambda: _gemm(w=torch.zeros(E, N, K // 2, dtype=torch.uint8), w_dtype="nvfp4", w_group=[1, 16],
+                                                  w_scale=torch.ones(E, N, K // 16).to(torch.float8_e4m3fn)),
+                                    ValueError, r"w_global_scale: 'nvfp4' needs its float32 global scale, got None"),
+    "gemm_nvfp4_a_without_global": (lambda: _gemm(a=torch.zeros(3, K // 2, dtype=torch.uint8), a_dtype="nvfp4", a_group=[1, 16],
+                                                  a_scale=torch.ones(3, K // 16).to(torch.float8_e4m3fn)),
+                                    ValueError, r"a_global_scale: 'nvfp4' needs its float32 global scale, got None"),
+    "gemm_fp8_w_with_global": (lambda: _gemm(w=torch.zeros(E, N, K).to(torch.float8_e4m3fn), w_dtype="fp8", w_group=[1, -1],
+                                             w_scale=torch.ones(E, N, 1), w_global_scale=torch.full((E,), 0.5)),
+                               ValueError, r"w_global_scale: 'fp8' has no global scale \(nvfp4 only\), got \(4,\)"),
+    "gemm_nvfp4_global_per_row": (lambda: _gemm(w=torch.zeros(E, N, K // 2, dtype=torch.uint8), w_dtype="nvfp4", w_group=[1, 16],
+                                                w_scale=torch.ones(E, N, K // 16).to(torch.float8_e4m3fn), w_global_scale=torch.ones(3)),
+                                  ValueError, r"w_global_scale: expected one value or one per expert \[4\], got shape \(3,\)"),
+    "gemm_zero_for_int8": (lambda: _gemm(w=torch.ones(E, N, K, dtype=torch.int8), w_dtype="int8", w_group=[1, -1],
+                                         w_scale=torch.ones(E, N, 1), w_zero=torch.full((E, N, 1), 8, dtype=torch.uint8)),
+                           ValueError, r"w_zero: zero points are for int4 weights only, got one for w_dtype='int8'"),
     "reduce_short_inverse": (lambda: _reduce(inverse=torch.arange(5, dtype=torch.int32)), ValueError,
                              r"inverse: expected shape \(6,\) \(\[M\*k\] for topk_weights \(3, 2\)\), got \(5,\)"),
     "reduce_y_rows": (lambda: _reduce(y=torch.randn(5, N)), ValueError, r"y \(5, 48\): expected M\*k=6 rows for topk_weights \(3, 2\), got 5"),
@@ -276,12 +293,35 @@ def _plan(m):
     return OPS.routing_plan(torch.randint(-1, E + 1, (m, 2), dtype=torch.int32), E, None)
 
 
+def _nvfp4_gemm(a, wq, w_scale, w_global, offsets, gather_idx):
+    """nvfp4 activations (quantized by the op) times nvfp4 weights."""
+    a_global = torch.full((1,), 0.01)
+    aq, a_scale = OPS.quantize(a, "nvfp4", [1, 16], None, a_global)
+    return OPS.grouped_gemm(aq, a_scale, a_global, "nvfp4", [1, 16], wq, w_scale, w_global, None, "nvfp4", [1, 16],
+                            None, offsets, gather_idx, torch.float32)  # fmt: skip
+
+
+def _nvfp4_inputs(m):
+    w = torch.randn(E, N, K)
+    w_global = formats.nvfp4_global_scale(w, dims=(1, 2))
+    return (torch.randn(m, K), *formats.quantize_nvfp4(w, w_global), w_global, *_plan(m)[:2])
+
+
+def _mxfp4_gemm(a, wq, w_scale, offsets, gather_idx):
+    return OPS.grouped_gemm(a, None, None, "none", NONE, wq, w_scale, None, None, "mxfp4", [1, 32], None, offsets,
+                            gather_idx, torch.float32)  # fmt: skip
+
+
 # name -> (function of tensors, its inputs for M tokens)
 SINGLE_OPS = {
     "routing_plan": (lambda ids, emap: OPS.routing_plan(ids, E, emap),
                      lambda m: (torch.randint(-1, 7, (m, 2)), torch.tensor([0, -1, 1, 2, -1, 3]))),
     "grouped_gemm": (lambda a, w, off, g, b: call_gemm(a, w, off, g, b),
                      lambda m: (torch.randn(m, K), torch.randn(E, K, N).transpose(1, 2), _plan(m)[0], _plan(m)[1], torch.randn(E, N))),
+    # The quantized formats' decoders and encoders (e2m1 built its tables with torch.tensor on the
+    # device: a host-to-device copy per call).
+    "grouped_gemm_nvfp4": (_nvfp4_gemm, _nvfp4_inputs),
+    "grouped_gemm_mxfp4": (_mxfp4_gemm, lambda m: (torch.randn(m, K), *formats.quantize_mxfp4(torch.randn(E, N, K)), *_plan(m)[:2])),
     "activation": (lambda x: OPS.activation(x, "swigluoai", 1.702, 7.0, True), lambda m: (torch.randn(2 * N, 2 * m).t(),)),
     "weighted_reduce": (lambda y, w, inv, off: OPS.weighted_reduce(y, w, inv, off),
                         lambda m: (torch.randn(2 * m, N), torch.rand(m, 2), _plan(m)[2], _plan(m)[0])),
@@ -301,25 +341,6 @@ def test_single_op_compiles_to_one_dynamic_graph(name, backend):
         for w, g in zip(*((want, got) if isinstance(want, tuple) else ((want,), (got,)))):
             assert torch.equal(w, g) and w.stride() == g.stride()
     assert counter.frame_count == 1
-
-
-@contextlib.contextmanager
-def no_host_reads():
-    """Every way a tensor value reaches the host (or a data-dependent shape is made) raises."""
-
-    def forbid(name):
-        def raise_(*args, **kwargs):
-            raise AssertionError(f"host sync: {name}")
-
-        return raise_
-
-    tensor_methods = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique")
-    with contextlib.ExitStack() as stack:
-        for name in tensor_methods:
-            stack.enter_context(mock.patch.object(torch.Tensor, name, forbid(name)))
-        for name in ("nonzero", "unique", "bincount", "masked_select"):
-            stack.enter_context(mock.patch.object(torch, name, forbid(name)))
-        yield
 
 
 @pytest.mark.parametrize("name", list(SINGLE_OPS))

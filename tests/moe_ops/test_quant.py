@@ -21,9 +21,11 @@ from moe_ops.quant import (
     formats,
     quantize_weights,
 )
+from moe_ops.quant.quantize import _quantize as quantize_body
 from moe_ops.quant.quantize import quantize
 
 from ..decoders import decode_e4m3, decode_weight, expand
+from ..host_reads import no_host_reads
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -97,32 +99,39 @@ def test_activation_quantize_matches_float64(fmt, group, static, dtype):
         assert q.double().abs().max() == qmax  # the group max maps to the top code
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
-def test_a_nan_token_leaves_the_other_tokens_per_tensor_scale_alone(fmt):
-    """A dynamic per-tensor scale spans every token: a NaN in one token (a garbage padding row) is
-    skipped in its amax, as vLLM's fmaxf amax skips it, so the other tokens quantize as they would
-    with that scale given, and the NaN element stays NaN (fp8) or gets code 0 (int8, no NaN code). A
-    per-token scale keeps the NaN: that token's own scale says its values are undefined."""
+def test_a_non_finite_token_leaves_the_other_tokens_per_tensor_scale_alone(fmt, bad):
+    """A dynamic per-tensor scale spans every token: a NaN or inf in one token (a garbage padding row, an
+    fp16 overflow) is skipped in its amax, so the other tokens quantize as they would with that scale
+    given, and the bad element becomes NaN (fp8) or code 0 / +-127 (int8, no NaN code). A per-token scale
+    keeps it: that token's own scale says its values are undefined. Before, an inf made the per-tensor
+    scale inf and every token's codes 0 or NaN."""
     m, k, row, col = 6, 256, 3, 17
     x = _x(m, k)
-    x[row, col] = float("nan")
+    x[row, col] = bad
     qmax = 448.0 if fmt == "fp8" else 127.0
     q, s = quantize(x, fmt, [-1, -1], None, None)
-    want = x.double().nan_to_num(nan=0.0).abs().amax() / qmax
+    finite = x.double().clone()
+    finite[row, col] = 0.0
+    want = finite.abs().amax() / qmax
     assert torch.isfinite(s).all() and torch.allclose(s.double(), want.reshape(1, 1), rtol=1e-6, atol=0)
     others = torch.arange(m) != row
     q_others, _ = quantize(x[others], fmt, [-1, -1], s.reshape(1), None)
     assert torch.equal(q[others].view(torch.uint8), q_others.view(torch.uint8))
-    nan_code = q[row, col].float()
-    assert nan_code.isnan() if fmt == "fp8" else nan_code == 0
+    code = q[row, col].float()
+    if fmt == "fp8":
+        assert code.isnan()
+    else:
+        assert code == (0 if bad != bad else 127 * (1 if bad > 0 else -1))
     _, per_token = quantize(x, fmt, [1, -1], None, None)
-    assert per_token[row].isnan().all() and torch.isfinite(per_token[others]).all()
+    assert per_token[row].isfinite().all().logical_not() and torch.isfinite(per_token[others]).all()
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_activation_quantize_rounds_half_to_even_and_saturates(fmt):
-    """With a static scale of 1: int8 ties go to the even integer; +-inf and out-of-range values
-    saturate to the largest code (not NaN, not wrap-around); fp8 keeps NaN."""
+    """With a static scale of 1: int8 ties go to the even integer; out-of-range values saturate to the
+    largest code (not NaN, not wrap-around), and so does int8's +-inf; fp8's NaN and +-inf become NaN."""
     ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5])
     big = torch.tensor([1e6, -1e6, float("inf"), -float("inf")])
     x = torch.cat((ties, big, torch.randn(5))).reshape(1, -1)
@@ -131,11 +140,13 @@ def test_activation_quantize_rounds_half_to_even_and_saturates(fmt):
         assert q[0, :7].tolist() == [0, 2, 2, 0, -2, -2, 126]
         assert q[0, 7:11].tolist() == [127, -127, 127, -127]
     else:
-        assert decode_e4m3(q)[0, 7:11].tolist() == [448.0, -448.0, 448.0, -448.0]
+        assert decode_e4m3(q)[0, 7:9].tolist() == [448.0, -448.0] and decode_e4m3(q)[0, 9:11].isnan().all()
         xn = x.clone()
         xn[0, 0] = float("nan")
         qn, _ = quantize(xn, fmt, [-1, -1], torch.ones(1), None)
-        assert decode_e4m3(qn)[0, 0].isnan() and decode_e4m3(qn)[0, 1:].isfinite().all()
+        finite = torch.ones(x.shape[1], dtype=torch.bool)
+        finite[[0, 9, 10]] = False
+        assert decode_e4m3(qn)[0, 0].isnan() and decode_e4m3(qn)[0, finite].isfinite().all()
 
 
 @pytest.mark.parametrize("fmt,group", [("fp8", [-1, -1]), ("fp8", [1, -1]), ("fp8", [1, 128]), ("int8", [1, -1])])
@@ -176,14 +187,19 @@ def test_quantize_opcheck(fmt, group, static):
     torch.library.opcheck(quantize, (x, fmt, group, scale, None), test_utils=utils)
 
 
-@pytest.mark.parametrize("fmt,group,static", ACT_CASES)
+@pytest.mark.parametrize("fmt,group,static", ACT_CASES + [("nvfp4", [1, 16], False)])
 def test_quantize_real_impl_has_no_host_sync(fmt, group, static):
-    """The real impl runs on meta tensors (which have no values): any .item()/.tolist()/nonzero/
-    data-dependent branch would raise."""
-    x = torch.empty(5, 300, device="meta", dtype=torch.bfloat16)
+    """The real impl's body runs on meta tensors (which have no values): any .item()/.tolist()/nonzero/
+    data-dependent branch would raise, and no_host_reads also forbids constants built on the device
+    (torch.tensor(..., device=...), a host-to-device copy). The op itself would run its fake impl on
+    meta, which is what this test called before."""
+    x = torch.empty(5, 320, device="meta", dtype=torch.bfloat16)
     scale = torch.empty(1, device="meta") if static else None
-    q, s = quantize(x, fmt, group, scale, None)
-    assert q.shape == (5, 300) and tuple(s.shape) == formats.scale_shape(tuple(group), 5, 300)
+    global_scale = torch.empty(1, device="meta") if fmt == "nvfp4" else None
+    with no_host_reads():
+        q, s = quantize_body(x, fmt, group, scale, global_scale)
+    packing = 2 if fmt == "nvfp4" else 1
+    assert q.shape == (5, 320 // packing) and tuple(s.shape) == formats.scale_shape(tuple(group), 5, 320)
 
 
 # ---- weight quantizers ----------------------------------------------------------------------------
@@ -451,6 +467,7 @@ def test_quant_dataclasses_accept_bools():
 _NVFP4 = WeightQuant("nvfp4", GroupShape(1, 16))
 _INT4 = WeightQuant("int4", GroupShape(1, 32))
 _INT4_ZP = WeightQuant("int4", GroupShape(1, 32), zero_point=True)
+_MXFP4 = WeightQuant("mxfp4", GroupShape(1, 32))
 
 
 def _stored(wq):
@@ -467,6 +484,13 @@ BAD_DEQUANTIZE = {
     "zero_unexpected": (_INT4, lambda q, s, g, z: (q, s, None, torch.zeros_like(s, dtype=torch.uint8)), ValueError,
                         r"zero: int4 1x32 without zero points takes none"),
     "storage_dtype": (_INT4, lambda q, s, g, z: (q.float(), s, None, None), TypeError, r"w: dtype torch.float32 is not allowed; allowed: torch.uint8"),
+    # float32 powers of two read as e8m0 exponents decoded to ~1e-38 (max |value| 5e-38 for ~4)
+    "mxfp4_float_scale": (_MXFP4, lambda q, s, g, z: (q, formats.e8m0_decode(s), None, None), TypeError,
+                          r"scale: dtype torch.float32 is not allowed; allowed: torch.uint8"),
+    "nvfp4_global_shape": (_NVFP4, lambda q, s, g, z: (q, s, torch.ones(3), None), ValueError,
+                           r"global_scale: expected shape \(2,\) \(\[E\]\), got \(3,\)"),
+    "nvfp4_global_dtype": (_NVFP4, lambda q, s, g, z: (q, s, g.double(), None), TypeError, r"global_scale: dtype torch.float64 is not allowed"),
+    "zero_dtype": (_INT4_ZP, lambda q, s, g, z: (q, s, None, z.float()), TypeError, r"zero: dtype torch.float32 is not allowed; allowed: torch.uint8"),
 }  # fmt: skip
 
 
@@ -478,7 +502,7 @@ def test_dequantize_weight_rejects(case):
         quant.dequantize_weight(q, wq, s, g, z)
 
 
-@pytest.mark.parametrize("wq", [_NVFP4, _INT4, _INT4_ZP], ids=["nvfp4", "int4", "int4_zp"])
+@pytest.mark.parametrize("wq", [_NVFP4, _INT4, _INT4_ZP, _MXFP4], ids=["nvfp4", "int4", "int4_zp", "mxfp4"])
 def test_dequantize_weight_accepts_what_quantize_weight_stores(wq):
     # Positive control for test_dequantize_weight_rejects: within the format's step of the float input.
     w = torch.randn(2, 16, 64)
