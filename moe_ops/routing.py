@@ -12,14 +12,16 @@ Methods (chosen by the arguments of `route`):
   only steers selection: weights come from the unbiased scores.
 Every method finally multiplies the weights by routed_scaling_factor.
 
-Each row's ids come best first (by selection score), and an exact tie goes to the lower expert id, as in
-vLLM's routing kernels, on every device: ties are common with bf16 logits (with E = 128, k = 8 and logits
-of standard deviation 2, about 6% of tokens have one at the k-th place).
+Each row's ids come best first (by selection score: without a correction bias the logit itself, which
+ranks as the exact score does), and an exact tie goes to the lower expert id, as in vLLM's routing
+kernels, on every device: ties are common with bf16 logits (with E = 128, k = 8 and logits of standard
+deviation 2, about 6% of tokens have one at the k-th place).
 
 NaN logits never crash routing: they rank below every number, the ids stay in [0, E), and the weights
-of a row with NaN logits are NaN (the routing is undefined there, and the output says so). So are the
-weights of a softmax row with a +inf logit or with only -inf logits, where softmax is undefined (as in
-torch.softmax, hence in the models' own routing); sigmoid scores take their limits 1 and 0 at +-inf,
+of a row with NaN logits are NaN (the routing is undefined there, and the output says so); a NaN
+correction bias makes every row's weights NaN. So are the weights of a softmax row with a +inf logit or
+with only -inf logits, where softmax is undefined (as in torch.softmax, hence in the models' own
+routing); sigmoid scores take their limits 1 and 0 at +-inf,
 and renormalizing k zero sigmoid scores (logits of -inf, or below about -104 in float32) gives NaN, as in
 vLLM's grouped_topk.
 """
@@ -130,10 +132,15 @@ def _route(
     check_route_args(
         router_logits, top_k, scoring, renormalize, num_expert_group, topk_group, e_score_correction_bias, routed_scaling_factor
     )
-    scores = SCORING[scoring](router_logits.float())
-    selection = scores
+    logits = router_logits.float()
+    scores = SCORING[scoring](logits)
     if e_score_correction_bias is not None:
         selection = scores + e_score_correction_bias.float()
+    else:
+        # Both scorings are increasing in the logit, so the logits rank as the exact scores do; the
+        # float32 scores would not: sigmoid is exactly 1.0 above a logit of ~16.6 (bf16 logits tie from
+        # 13.44), and such distinct logits would tie and go to the lower id, where Llama4 takes the larger.
+        selection = logits
     if num_expert_group > 0:
         mask = _group_mask(selection, num_expert_group, topk_group, e_score_correction_bias is not None)
         selection = selection.masked_fill(~mask, float("-inf"))
@@ -141,7 +148,10 @@ def _route(
     weights = scores.gather(1, ids)
     # A row with a NaN logit has no defined routing: say so in its weights, whatever was picked
     # (sigmoid scores of the other experts would otherwise look valid). masked_fill keeps the strides.
-    weights = weights.masked_fill(router_logits.isnan().any(dim=-1, keepdim=True), float("nan"))
+    undefined = router_logits.isnan().any(dim=-1, keepdim=True)
+    if e_score_correction_bias is not None:  # a NaN bias leaves every row's selection undefined
+        undefined = undefined | e_score_correction_bias.isnan().any()
+    weights = weights.masked_fill(undefined, float("nan"))
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if routed_scaling_factor != 1.0:

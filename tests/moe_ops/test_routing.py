@@ -233,6 +233,32 @@ def test_infinite_logits():
     assert ((ids >= 0) & (ids < num_experts)).all() and all(len(set(r)) == top_k for r in ids.tolist())
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_saturated_sigmoid_scores_rank_by_logit(dtype):
+    """float32 sigmoid is exactly 1.0 above a logit of ~16.6 (bf16 logits from 13.44 share one score):
+    distinct logits must still rank by size, as Llama4 takes the top-k of the logits. Ranking the
+    rounded scores gave expert 0 for [18, 25, 0, 0] (a tie at 1.0, lower id first)."""
+    dtype = DTYPES[dtype]
+    logits = torch.tensor([[18.0, 25.0, 0.0, 0.0], [13.4375, 13.5, 1.0, 2.0]]).to(dtype)
+    weights, ids = moe_ops.route(logits, 1, scoring="sigmoid", renormalize=False)
+    assert ids[:, 0].tolist() == [1, 1]
+    big = (torch.randn(64, 16) * 12).to(dtype)  # most rows hold several logits with sigmoid 1.0
+    weights, ids = moe_ops.route(big, 2, scoring="sigmoid", renormalize=False)
+    for row, got, w in zip(big.double().tolist(), ids.tolist(), weights.double()):
+        want, want_w = llama4(row, 2, None, {})
+        assert got == want and torch.allclose(w, torch.tensor(want_w, dtype=torch.float64), rtol=ROUTE_RTOL, atol=0)
+
+
+def test_a_nan_correction_bias_makes_every_weight_nan():
+    """A NaN in the correction bias leaves the selection of every row undefined: every weight is NaN,
+    as for a row with a NaN logit (before, the rows came back with finite weights of arbitrary experts)."""
+    bias = torch.randn(6)
+    bias[5] = float("nan")
+    weights, ids = moe_ops.route(torch.randn(4, 6), 3, scoring="sigmoid", num_expert_group=2, topk_group=1,
+                                 e_score_correction_bias=bias)  # fmt: skip
+    assert weights.isnan().all() and ((ids >= 0) & (ids < 6)).all()
+
+
 @pytest.mark.parametrize("value", [None, 1, "yes"], ids=["None", "int", "str"])
 def test_renormalize_must_be_a_bool(value):
     """None silently meant renormalize=False, and a str reached the op's schema check (RuntimeError)."""
