@@ -100,7 +100,7 @@ class FusedMoE(nn.Module):
         self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
         self.n13 = (2 if self.activation.gated else 1) * intermediate_size
         self.e_score_correction_bias = (
-            nn.Parameter(torch.zeros(num_experts, device=device), requires_grad=False) if correction_bias else None
+            nn.Parameter(torch.zeros(num_experts, device=device, dtype=torch.float32), requires_grad=False) if correction_bias else None
         )
         self.w13_bias = nn.Parameter(torch.zeros(num_experts, self.n13, **factory)) if expert_bias else None
         self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden_size, **factory)) if expert_bias else None
@@ -193,9 +193,11 @@ class FusedMoE(nn.Module):
         # .to() / .cuda() / .half() replace the buffers; the config must point at the new ones.
         # A dtype conversion (.to(torch.bfloat16), .half(), .float()) must not reach the quantized
         # storage (fp8 counts as floating point) nor its scales and zero points: those keep their
-        # dtypes and follow device moves only. Unquantized weights, biases and the router convert.
+        # dtypes and follow device moves only. Neither may the correction bias: it stays float32 (as
+        # transformers keeps it), since bf16 rounding of it changes which experts DeepSeek-V3 picks (16
+        # of 4096 tokens in a review's case). Unquantized weights, expert biases and the router convert.
         quantized = () if self.scheme.weight is None else ("w13", "w2", *_CONFIG_BUFFERS)
-        keep = {id(t) for t in (getattr(self, n) for n in quantized) if t is not None}
+        keep = {id(t) for t in (getattr(self, n) for n in (*quantized, "e_score_correction_bias")) if t is not None}
 
         def keep_quantized_dtypes(t):
             if id(t) not in keep:

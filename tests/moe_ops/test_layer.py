@@ -186,6 +186,25 @@ def test_deepseek_style_routing():
     assert relative_error(out, _reference(layer, x)) <= F32_TOL
 
 
+@pytest.mark.parametrize("convert", ["to_bf16", "half"])
+def test_dtype_conversion_keeps_the_correction_bias_float32(convert):
+    """layer.to(bf16) / .half() route as a layer built in that dtype: the correction bias stays float32
+    (transformers keeps it so too). It was rounded to bf16, which moved tokens to other experts."""
+    kwargs = dict(top_k=3, scoring="sigmoid", num_expert_group=4, topk_group=2, correction_bias=True)
+    dtype = torch.bfloat16 if convert == "to_bf16" else torch.float16
+    bias = 1.0 + 0.05 * torch.randn(E)  # around 1, as trained biases are: bf16 keeps 8 bits of it
+    weights = {"e_score_correction_bias": bias, "gate.weight": torch.randn(E, H)}
+    built = _layer(**{**kwargs, "dtype": dtype})
+    built.load_weights(weights)
+    converted = _layer(**kwargs)
+    converted.load_weights(weights)
+    converted = converted.to(torch.bfloat16) if convert == "to_bf16" else converted.half()
+    assert converted.e_score_correction_bias.dtype == built.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(converted.e_score_correction_bias, bias) and converted.router.weight.dtype == dtype
+    x = torch.randn(256, H, dtype=dtype)
+    assert torch.equal(converted.routing_for(x)[1], built.routing_for(x)[1])
+
+
 def test_correction_bias_steers_selection_only():
     layer = _layer(scoring="sigmoid", correction_bias=True, num_expert_group=4, topk_group=2)
     bias = torch.zeros(E)
