@@ -9,8 +9,10 @@ moe_ops::gate_up    = gather rows + [quantize] + grouped GEMM1 (+ bias) + activa
     early (cute_kernels/moe_gemm.py). A hint: the output depends on the plan only.
 moe_ops::down_reduce = grouped GEMM2 (+ bias) + router weight + reduction of each token's k rows
     (intermediate [P, I'], ..., expert_offsets, gather_idx [P], topk_weights [M, k], inverse [P]) -> [M, H];
-    gather_idx and inverse give each grouped row's pair, so the kernel's GEMM2 epilogue applies the
-    router weight. weights_early (default False): w and expert_offsets were written before the kernel
+    the router weight and the sum come after GEMM2, in the token sum, which finds each pair's grouped
+    row by inverse. gather_idx is checked ([P], as inverse) but read by neither implementation: a
+    remnant of the GEMM2 epilogue that applied the router weight until v9 (bench/NOTES.md).
+    weights_early (default False): w and expert_offsets were written before the kernel
     launched just before this op started, and that kernel writes neither, as when gate_up over the
     same plan comes right before it; the kernel then starts loading w before waiting for that kernel
     (graph_pass.py sets it where the graph proves it).
@@ -177,8 +179,8 @@ def down_reduce_reference(
     a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
     bias, expert_offsets, gather_idx, topk_weights, inverse, out_dtype, weights_early=False,
 ):  # fmt: skip
-    """The reference composition of down_reduce (gather_idx is for the kernels' epilogue; weights_early
-    for their launch order)."""
+    """The reference composition of down_reduce (gather_idx is unread, see the module docstring;
+    weights_early is for the kernels' launch order)."""
     y = grouped_gemm(
         a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
         bias, expert_offsets, None, out_dtype,
