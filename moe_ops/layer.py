@@ -254,6 +254,7 @@ class FusedMoE(nn.Module):
         weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         *,
         calibration: torch.Tensor | None = None,
+        transposed: bool = False,
     ) -> None:
         """Load float checkpoint tensors (quantized on load for a quantized scheme).
 
@@ -271,7 +272,12 @@ class FusedMoE(nn.Module):
 
         calibration: sample hidden states [..., H]. Required for a scheme with static activation scales
         (they depend on the weights, biases and router: see calibrate), refused for any other.
+        transposed: the stacked weights come as [E, H, 2I] and [E, I, H] (transformers' experts with
+        is_transposed, e.g. gpt-oss). Shapes cannot tell the layouts apart where I == H (gpt-oss:
+        2880) or 2I == H, so the layout is said, never guessed. Per-expert weights are [out, in] always.
         """
+        if not isinstance(transposed, bool):
+            raise TypeError(f"transposed: expected a bool, got {type(transposed).__name__} {transposed!r}")
         items = self._checkpoint_items(weights)
         static = needs_calibration(self.scheme)
         if calibration is not None and not static:
@@ -315,8 +321,16 @@ class FusedMoE(nn.Module):
                 t = stacked[which, kind][1] if (which, kind) in stacked else self._stack(per_expert, which, kind, parts[which], shape)
                 if t is None:
                     continue
-                if tuple(t.shape) != shape:
-                    raise ValueError(f"weights[{which}{'_bias' if kind == 'bias' else ''}]: expected shape {shape}, got {tuple(t.shape)}")
+                swap = transposed and kind == "weight" and (which, kind) in stacked
+                want = (shape[0], shape[2], shape[1]) if swap else shape  # the shape as the checkpoint stores it
+                if tuple(t.shape) != want:
+                    # A weight in the other layout (not square) is the likely mistake: say so.
+                    flipped = shape if swap else (shape[0], shape[2], shape[1]) if kind == "weight" else None
+                    other = (which, kind) in stacked and tuple(t.shape) == flipped
+                    hint = f" (the {'untransposed' if transposed else 'transposed'} layout: pass transposed={not transposed})" if other else ""
+                    raise ValueError(f"weights[{which}{'_bias' if kind == 'bias' else ''}]: expected shape {want}, got {tuple(t.shape)}{hint}")
+                if swap:
+                    t = t.transpose(1, 2)
                 new[which, kind] = t
         for name, dest, src in copies.values():
             if tuple(dest.shape) != tuple(src.shape):

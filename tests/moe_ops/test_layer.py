@@ -289,6 +289,30 @@ def test_load_stacked(names):
     assert relative_error(_forward(layer, x), _reference(layer, x)) <= F32_TOL
 
 
+def test_load_stacked_transposed():
+    """transposed=True reads transformers' is_transposed experts (gpt-oss): gate_up_proj [E, H, 2I],
+    down_proj [E, I, H]. With I == H the two layouts of down_proj have one shape, and a transposed one
+    loaded silently as [E, H, I]; the layout is now said, not guessed."""
+    e13, e2 = _stacked(_expert_tensors(seed=3))
+    layer = _layer()
+    layer.load_weights({"experts.gate_up_proj": e13.transpose(1, 2).contiguous(), "experts.down_proj": e2.transpose(1, 2).contiguous()},
+                       transposed=True)  # fmt: skip
+    w13, w2 = layer.float_weights()
+    assert torch.equal(w13, e13) and torch.equal(w2, e2)
+    square = _layer(intermediate_size=H)  # I == H: shapes cannot tell the layouts apart
+    down = torch.randn(E, H, H)
+    square.load_weights({"experts.down_proj": down}, transposed=True)
+    assert torch.equal(square.float_weights()[1], down.transpose(1, 2))
+    square.load_weights({"experts.down_proj": down})
+    assert torch.equal(square.float_weights()[1], down)
+    with pytest.raises(ValueError, match=r"weights\[w13\]: expected shape \(8, 64, 64\), got \(8, 65, 64\)"):
+        layer.load_weights({"w13": torch.zeros(E, 2 * I + 1, H)}, transposed=True)
+    with pytest.raises(ValueError, match=r"weights\[w2\]: expected shape \(8, 32, 64\), got \(8, 64, 32\) \(the untransposed layout: pass transposed=False\)"):
+        layer.load_weights({"w2": torch.zeros(E, H, I)}, transposed=True)
+    with pytest.raises(TypeError, match=r"transposed: expected a bool, got str 'yes'"):
+        layer.load_weights({}, transposed="yes")
+
+
 def test_load_only_some_tensors_keeps_the_rest():
     layer = _layer()
     old13, old2 = layer.float_weights()
@@ -355,7 +379,7 @@ def test_load_unknown_name_raises(name):
     "weights, match",
     [
         ({"w13": torch.zeros(E, 2 * I + 1, H)}, r"weights\[w13\]: expected shape \(8, 64, 64\), got \(8, 65, 64\)"),
-        ({"w2": torch.zeros(E, I, H)}, r"weights\[w2\]: expected shape \(8, 64, 32\), got \(8, 32, 64\)"),
+        ({"w2": torch.zeros(E, I, H)}, r"weights\[w2\]: expected shape \(8, 64, 32\), got \(8, 32, 64\) \(the transposed layout: pass transposed=True\)"),
         ({"experts.gate_up_proj": torch.zeros(E - 1, 2 * I, H)}, r"weights\[w13\]: expected shape \(8, 64, 64\), got \(7, 64, 64\)"),
         ({"gate.weight": torch.zeros(E, H + 1)}, r"weights\['gate.weight'\]: expected shape \(8, 64\), got \(8, 65\)"),
         ({"router.weight": torch.zeros(H, E)}, r"weights\['router.weight'\]: expected shape \(8, 64\), got \(64, 8\)"),
