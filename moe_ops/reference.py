@@ -117,9 +117,12 @@ def moe_float64(
     quantization to each GEMM's input; intermediate_dtype rounds the GEMM1 output and the activation
     output to that dtype, as a layer running in it stores them.
     """
-    from .activation import resolve_activation
-
-    act = resolve_activation(activation)
+    # Read the activation's fields here rather than through moe_ops' own resolve_activation: a bug there
+    # (a parameter lost on the way) would otherwise reach the ops and this check alike.
+    if isinstance(activation, str):
+        kind, alpha, limit, interleaved = activation, 1.702, 7.0, False
+    else:
+        kind, alpha, limit, interleaved = activation.kind, activation.alpha, activation.limit, activation.interleaved
     x = hidden_states.detach().double().cpu()
     w13, w2 = w13.detach().double().cpu(), w2.detach().double().cpu()
     tw = topk_weights.detach().double().cpu()
@@ -145,7 +148,7 @@ def moe_float64(
         h = x[tok] @ w13[e].T
         if w13_bias is not None:
             h = h + w13_bias[e].double().cpu()
-        groups.append((e, tok, slot, rnd(apply_activation(rnd(h), act.kind, act.alpha, act.limit, act.interleaved))))
+        groups.append((e, tok, slot, rnd(apply_activation(rnd(h), kind, alpha, limit, interleaved))))
     out = torch.zeros_like(x)
     if not groups:
         return out

@@ -81,6 +81,26 @@ def test_large_m_needs_each_shapes_fraction():
     assert not next(v for v in check(records) if v.target.startswith("M =")).met
 
 
+def test_each_target_at_its_exact_boundary():
+    """The issue's words at their edges: "faster than" the best peer is strict (a point level with it is
+    behind), "at least 85%" of SoL and "at least" the matmul fraction are met exactly at the line.
+    Moving any comparison across its edge (<= to <, >= to >) went unnoticed before."""
+    records = run_records(1.3)
+    level = next(r for r in records if (r["shape"], r["M"]) == ("deepseek-v3", 128))
+    t, tri, son = PEERS["deepseek-v3", 128]
+    level["torch_us"], level["ours_us"] = float(t), float(min(tri, son))  # the best peer's own ratio to torch
+    assert vs_best_peer(level) == 1.0
+    sol = next(r for r in records if (r["shape"], r["M"]) == ("qwen3-30b-a3b", 1))
+    sol["pct_sol_graph"] = 85.0
+    for r in records:
+        if r["M"] == 8192:
+            r["matmul_flops"], r["tflops"] = 1e12, MATMUL_TARGET[r["shape"]]  # exactly the fraction
+            r["ours_graph_us"] = r["ours_us"]
+    verdicts = {v.target.split(" ")[0]: v for v in check(records)}
+    assert not verdicts["ahead"].met and "deepseek-v3 M=128 1.000x" in verdicts["ahead"].detail
+    assert verdicts[">="].met and verdicts["M"].met
+
+
 def test_a_partial_run_has_no_geomean_verdict_met():
     records = [r for r in run_records(1.3) if r["shape"] == "mixtral"]
     mean = next(v for v in check(records) if v.target.startswith("geometric"))

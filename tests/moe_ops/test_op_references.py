@@ -123,6 +123,39 @@ def test_weighted_reduce(dtype, k, dropped):
     assert_close(out, contrib.view(m, k, h).sum(1), dtype)
 
 
+@pytest.mark.parametrize("bad", [-1, -7, "rows"], ids=["minus_one", "negative", "past_end"])
+def test_grouped_gemm_out_of_range_gather_reads_nothing(bad):
+    """gather_idx entries outside [0, M) read nothing (compiled callers are not value-checked): their rows
+    come out zero, the others as with valid indices. Dropping either bound of the check went unnoticed
+    (a negative index read row 0 or wrapped; one past the end read a clamped row)."""
+    a = torch.randn(6, 32)
+    w = torch.randn(3, 40, 32)
+    offsets = torch.tensor([0, 4, 7, 10], dtype=torch.int32)
+    gather_idx = torch.randint(0, a.shape[0], (10,), dtype=torch.int32)
+    bad_rows = torch.tensor([1, 5, 9])
+    gather_idx[bad_rows] = a.shape[0] if bad == "rows" else bad
+    out = call_gemm(a, w, None, offsets, gather_idx, torch.float32)  # the op checks no values
+    x64 = a.double()[gather_idx.long().clamp(0, a.shape[0] - 1)]
+    x64[bad_rows] = 0.0
+    assert_close(out, expected_gemm(x64, w.double(), None, offsets), torch.float32)
+    assert (out[bad_rows] == 0).all()
+
+
+def test_weighted_reduce_negative_inverse_contributes_nothing():
+    """A negative inverse entry (a hand-written plan) contributes nothing, as a row at or past
+    offsets[E] does; without the lower bound it read row 0."""
+    m, k, h = 4, 2, 24
+    y = torch.randn(m * k, h)
+    inverse = torch.randperm(m * k).to(torch.int32)
+    inverse[3] = -1
+    offsets = torch.tensor([0, 5, m * k], dtype=torch.int32)
+    weights = torch.rand(m, k)
+    out = OPS.weighted_reduce(y, weights, inverse, offsets)
+    contrib = y.double()[inverse.long().clamp(min=0)] * weights.double().reshape(-1, 1)
+    contrib[3] = 0.0
+    assert_close(out, contrib.view(m, k, h).sum(1), torch.float32)
+
+
 # ---- activation ----------------------------------------------------------------------------------
 
 
