@@ -146,6 +146,8 @@ class FusedMoE(nn.Module):
         with torch.no_grad():
             _, topk_ids = self.routing_for(x)
         inter = expert_intermediates(x, w13, topk_ids, activation=self.activation, w13_bias=self.w13_bias)
+        # Named for what the caller gave: the intermediates are computed here, not passed in.
+        _checks.expect_finite("calibration", inter, " in GEMM2's inputs computed from it (GEMM1 of these samples overflows)")
         return static_activation_scales(self.scheme, x, inter)
 
     def _write_scales(self, scales: dict[str, torch.Tensor]) -> None:

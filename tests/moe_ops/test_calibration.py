@@ -46,14 +46,31 @@ def _float_experts(seed: int, gain: float = 3.0):
     return gain * torch.randn(E, 2 * I, H, generator=g) / math.sqrt(H), torch.randn(E, H, I, generator=g) / math.sqrt(I)
 
 
-def _intermediates64(x, w13, ids, bias=None) -> torch.Tensor:
-    """float64 [M*k, I]: SwiGLU(x[m] @ w13[e].T + bias[e]) of each (token, expert) pair, in pair order."""
+def _act64(pre: torch.Tensor, activation) -> torch.Tensor:
+    """One pair's GEMM1 output [n13] (float64) -> GEMM2's input [I], each activation written out here
+    (not moe_ops/activation.py's table)."""
+    act = moe_ops.Activation(activation) if isinstance(activation, str) else activation
+    if act.kind == "relu2":  # no gate: [I] -> [I]
+        return pre.clamp(min=0).square()
+    # gated: [gate | up] halves, or interleaved rows gate_0, up_0, gate_1, up_1, ... (gpt-oss)
+    gate, up = (pre[0::2], pre[1::2]) if act.interleaved else pre.chunk(2)
+    if act.kind == "silu":
+        return F.silu(gate) * up
+    if act.kind == "swigluoai":  # gpt-oss: alpha 1.702, limit 7; gate clamped from above, up both sides, plus 1
+        assert (act.alpha, act.limit) == (1.702, 7.0)
+        gate, up = gate.clamp(max=7.0), up.clamp(min=-7.0, max=7.0)
+        return (up + 1) * gate * torch.sigmoid(1.702 * gate)
+    raise AssertionError(act.kind)
+
+
+def _intermediates64(x, w13, ids, bias=None, activation="silu") -> torch.Tensor:
+    """float64 [M*k, I]: act(x[m] @ w13[e].T + bias[e]) of each (token, expert) pair, in pair order
+    (act SwiGLU unless given)."""
     rows = []
     for m in range(x.shape[0]):
         for e in ids[m].tolist():
             pre = x[m].double() @ w13[e].double().T + (bias[e].double() if bias is not None else 0.0)
-            gate, up = pre.chunk(2)
-            rows.append(F.silu(gate) * up)
+            rows.append(_act64(pre, activation))
     return torch.stack(rows)
 
 
@@ -163,6 +180,58 @@ def test_load_weights_calibrates_static_scales(name):
     assert relative_error(out, _reference(layer, x)) <= BOUND[scheme.activation.dtype]
 
 
+# case -> (activation, expert biases): GEMM2's inputs that are not SwiGLU of the pair's GEMM1 without biases.
+ACTS = {
+    "swigluoai_interleaved_bias": (moe_ops.Activation("swigluoai", interleaved=True), True),
+    "relu2": (moe_ops.Activation("relu2"), False),
+}
+
+
+@pytest.mark.parametrize("name", list(STATIC))
+@pytest.mark.parametrize("case", list(ACTS))
+def test_calibration_follows_the_activation_and_biases(name, case):
+    """GEMM2's static scale is the amax of GEMM2's true inputs over the format's range: the layer's
+    activation (swigluoai on interleaved gate/up rows, or relu2 without a gate) of the routed pairs'
+    x @ w13[e].T + w13_bias[e], recomputed here in float64 from the stored weights and biases, through
+    load_weights(..., calibration=x) and calibrate(x); GEMM1's is x's amax over the range; the layer is
+    then accurate on those tokens against float64 with the biases. Calibration that ignored the layer's
+    activation (SwiGLU instead), its w13_bias, or the interleaving (gate and up read as halves) passed
+    the suite: GEMM2's int8 scale came out up to 8x too large for swigluoai, 2.3x too small for relu2."""
+    scheme = STATIC[name]
+    act, with_bias = ACTS[case]
+    layer = moe_ops.FusedMoE(E, TOP_K, H, I, activation=act, expert_bias=with_bias, quant_config=scheme, dtype=torch.float32)
+    g = generator(20)
+    n13 = layer.n13
+    weights = {"w13": torch.randn(E, n13, H, generator=g) / math.sqrt(H), "w2": torch.randn(E, H, I, generator=g) / math.sqrt(I)}
+    if with_bias:  # large enough that GEMM2's range depends on them
+        weights |= {"w13_bias": 2 * torch.randn(E, n13, generator=g), "w2_bias": torch.randn(E, H, generator=g)}
+    top = RANGE[scheme.activation.dtype]
+    # swigluoai: on the first tokens some pair has gate and up past the clamp (7), so the amax is its
+    # ceiling 8 * 7 * sigmoid(1.702 * 7), whichever rows are read as gate and up; on the second the clamp
+    # bites on ~0.2% of gates only and the amax is one pair's, which reading gate and up as halves moves
+    # by 20% (and SwiGLU by 12%, dropping the biases by 4x).
+    samples = [4 * torch.randn(128, H, generator=g), torch.randn(96, H, generator=g)]
+    for i, x in enumerate(samples):
+        if i == 0:
+            layer.load_weights(weights, calibration=x)
+        else:
+            layer.calibrate(x)
+        a13, a2 = _act_scales(layer)
+        assert torch.allclose(a13.double(), x.double().abs().max() / top, rtol=1e-6)
+        c, wq = layer.quant_config(), layer.scheme.weight
+        d13 = decode_weight(layer.w13, wq, c.w13_scale, c.w13_global_scale, c.w13_zero)
+        d2 = decode_weight(layer.w2, wq, c.w2_scale, c.w2_global_scale, c.w2_zero)
+        with torch.no_grad():
+            tw, ids = layer.routing_for(x)
+            inter = _intermediates64(x, d13, ids, layer.w13_bias, activation=act)
+        assert inter.shape == (x.shape[0] * TOP_K, I)
+        assert torch.allclose(a2.double(), inter.abs().max() / top, rtol=1e-4), (a2.item(), inter.abs().max().item() / top)
+        with torch.no_grad():
+            out = layer(x)
+            ref = moe_ops.reference.moe_float64(x, d13, d2, tw, ids, activation=act, w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
+        assert relative_error(out, ref) <= BOUND[scheme.activation.dtype]
+
+
 def _state(layer) -> dict:
     return {k: (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v).clone() for k, v in layer.state_dict().items()}
 
@@ -177,8 +246,10 @@ def _assert_unchanged(layer, before: dict):
 @pytest.mark.parametrize("name", list(STATIC))
 def test_load_weights_without_calibration_is_rejected(name):
     """Any load into a static scheme (expert weights, or only the router: GEMM2's scale depends on the
-    routing) needs samples; a missing, misshapen or non-finite calibration, or one that yields NaN
-    intermediates (an inf weight), raises with nothing written, router included."""
+    routing) needs samples; a missing, misshapen or non-finite calibration, or a non-finite weight,
+    raises with nothing written, router included. All of these are refused by the up-front checks,
+    before load_weights writes anything; a failure after it wrote the router and biases (its restore
+    path) is test_failed_calibration_restores_the_router_and_biases's."""
     layer = _layer(STATIC[name])
     before = _state(layer)
     w13, w2 = _float_experts(seed=8)
@@ -196,6 +267,36 @@ def test_load_weights_without_calibration_is_rejected(name):
         with pytest.raises(ValueError, match=match):
             layer.load_weights(w, calibration=cal)
         _assert_unchanged(layer, before)
+
+
+@pytest.mark.parametrize("name", list(STATIC))
+def test_failed_calibration_restores_the_router_and_biases(name):
+    """load_weights writes the router and expert biases first (the scales are calibrated through them),
+    then quantizes the expert weights and calibrates; a failure there must put them back. A finite
+    calibration of 3e38 passes the up-front checks but overflows GEMM1 to inf, so calibrating fails
+    after the router and biases were written: they come back bit-identical, the expert weights and
+    scales untouched, and the layer computes as before. Nothing reached that restore before (the inf
+    weight of test_load_weights_without_calibration_is_rejected is refused up front): replacing it
+    with `pass` left the new router and biases in a layer whose scales were calibrated without them."""
+    layer = moe_ops.FusedMoE(E, TOP_K, H, I, expert_bias=True, quant_config=STATIC[name], dtype=torch.float32)
+    g = generator(21)
+    x = torch.randn(16, H, generator=g)
+    layer.load_weights({"w13_bias": torch.randn(E, 2 * I, generator=g), "w2_bias": torch.randn(E, H, generator=g)}, calibration=x)
+    before = _state(layer)
+    with torch.no_grad():
+        out_before = layer(x)
+    w13, w2 = _float_experts(seed=22)
+    weights = {
+        "gate.weight": torch.randn(E, H, generator=g), "w13": w13, "w2": w2,
+        "w13_bias": torch.randn(E, 2 * I, generator=g), "w2_bias": torch.randn(E, H, generator=g),
+    }  # fmt: skip
+    for k in ("gate.weight", "w13_bias", "w2_bias"):  # each differs from what the layer holds
+        assert not torch.equal(weights[k], before[k.replace("gate.", "router.")])
+    with pytest.raises(ValueError, match=r"calibration: holds NaN or inf in GEMM2's inputs computed from it \(GEMM1 of these samples overflows\)"):
+        layer.load_weights(weights, calibration=torch.full((4, H), 3e38))
+    _assert_unchanged(layer, before)
+    with torch.no_grad():
+        assert torch.equal(layer(x), out_before)
 
 
 @pytest.mark.parametrize("name", list(STATIC))

@@ -24,7 +24,7 @@ from moe_ops.quant import (
     quantize_weights,
 )
 from moe_ops.reduce import weighted_reduce
-from moe_ops.reference import apply_activation, fake_quantize, moe_float64, relative_error, tolerance
+from moe_ops.reference import DTYPE_TOLERANCE, apply_activation, fake_quantize, moe_float64, relative_error, tolerance
 
 from ..decoders import decode_e2m1_packed, decode_e4m3, decode_weight, expand
 
@@ -48,6 +48,13 @@ def random_layer(m, hidden, inter, num_experts, top_k, gated=True, dtype=torch.f
 def assert_close_rel(out, ref, tol, what=""):
     err = relative_error(out, ref)
     assert err <= tol, f"{what}: relative error {err:.3e} > tolerance {tol:.3e}"
+
+
+def test_dtype_tolerances_stay_within_100_roundings():
+    """Every float64 check's dtype term is at most 100 unit roundoffs of the dtype (float32 1e-5 is 84):
+    loosening it 1000x left every float32 check green before."""
+    for dtype, tol in DTYPE_TOLERANCE.items():
+        assert tol <= 100 * torch.finfo(dtype).eps, (dtype, tol)
 
 
 # ==== routing =====================================================================================
