@@ -46,7 +46,7 @@ def main(tokens) -> None:
                 for tiles in interface.tile_shapes("concat")
             }  # fmt: skip
             dr = {
-                tiles: graph_time_us(lambda: interface.down_reduce(inter, w2, None, offsets, gather, tw, inverse, tiles=tiles), 30)
+                tiles: graph_time_us(lambda: interface.down_reduce(inter, w2, None, offsets, tw, inverse, tiles=tiles), 30)
                 for tiles in interface.tile_shapes("none")
             }
             rule = (interface.choose_tiles("concat", i, m, k, e, sms, k_dim=h), interface.choose_tiles("none", h, m, k, e, sms, k_dim=i))

@@ -6,7 +6,7 @@ gate_up(x [M, H], w [E, N, H], bias [E, N] | None, offsets [E+1], gather [P], ex
     N = 2I for gated activations ([gate; up] "concat" or "interleaved"), I for relu2. expert_ids (the
     routing plan's input, when the ids are local): a hint the kernel reads at M = 1 to start its
     weights early (moe_gemm.py); the output does not depend on it.
-down_reduce(a [P, I], w [E, H, I], bias [E, H] | None, offsets, gather [P], topk_weights [M, k], inverse [P]) -> [M, H]
+down_reduce(a [P, I], w [E, H, I], bias [E, H] | None, offsets, topk_weights [M, k], inverse [P]) -> [M, H]
     GEMM2 over the grouped rows into a [P, H] scratch in grouped-row order; then the deterministic
     per-token sum of the router-weighted rows (token_sum.py).
 """
@@ -363,7 +363,7 @@ def gate_up(
     return out
 
 
-def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, tiles=None, weights_early=False):
+def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None, weights_early=False):
     """[M, H] = sum_j topk_weights[m, j] * (a[inverse[m*k+j]] @ w[e].T + bias[e]); see the module
     docstring. Every element of the output is written. out: an optional [M, H] destination.
     tiles: (tile_m, tile_n) instead of choose_tiles' (for tile sweeps).
@@ -381,10 +381,10 @@ def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, ti
     _check_tensors(
         a=(a, (m * k, inter), (a.dtype,)), w=(w, (num_experts, hidden, inter), (a.dtype,)),
         bias=(bias, (num_experts, hidden), _BIAS), offsets=(offsets, (num_experts + 1,), _INDEX),
-        gather=(gather, (m * k,), _INDEX), topk_weights=(topk_weights, (m, k), (torch.float32,)),
+        topk_weights=(topk_weights, (m, k), (torch.float32,)),
         inverse=(inverse, (m * k,), _INDEX), out=(out, (m, hidden), (a.dtype,)),
     )  # fmt: skip
-    _check_aligned(a=a, w=w, bias=bias, offsets=offsets, gather=gather, topk_weights=topk_weights, inverse=inverse, out=out)
+    _check_aligned(a=a, w=w, bias=bias, offsets=offsets, topk_weights=topk_weights, inverse=inverse, out=out)
     _check_support(device_support(a.device))  # last: the checks above hold on any device
     if out is None:
         out = torch.empty(m, hidden, dtype=a.dtype, device=a.device)
@@ -395,7 +395,8 @@ def down_reduce(a, w, bias, offsets, gather, topk_weights, inverse, out=None, ti
     sms = num_sms(a.device.index)
     tiles = tiles or choose_tiles("none", hidden, m, k, num_experts, sms, k_dim=inter)
     fn = _gemm(epi, False, a.dtype, bias.dtype if bias is not None else a.dtype, sms, *tiles, early=bool(weights_early))
-    _launch_gemm(fn, a, (w, w), y, offsets, gather, bias, hidden, hidden * inter)
+    # GEMM2 gathers nothing: inverse stands in for the gather pointer, which this variant never reads.
+    _launch_gemm(fn, a, (w, w), y, offsets, inverse, bias, hidden, hidden * inter)
     _token_sum(a.dtype)(
         _ptr(y), _ptr(inverse), _ptr(topk_weights), _ptr(offsets), _ptr(out), Int32(m), Int32(k), Int32(hidden), Int32(num_experts), _stream(a.device),
     )  # fmt: skip

@@ -64,7 +64,7 @@ def _run_down_reduce(args: dict):
     from cute_kernels import interface
 
     return interface.down_reduce(
-        args["a"], args["w"], args["bias"], args["expert_offsets"], args["gather_idx"], args["topk_weights"], args["inverse"],
+        args["a"], args["w"], args["bias"], args["expert_offsets"], args["topk_weights"], args["inverse"],
         weights_early=args["weights_early"],
     )
 
@@ -147,16 +147,16 @@ def down_reduce_recipe(args: dict) -> dict:
         quantized=args["a_dtype"] != "none" or args["w_dtype"] != "none",
         router_weight_dtype=args["topk_weights"].dtype,
         contiguous=_contiguous(
-            args["a"], w, args["bias"], args["expert_offsets"], args["gather_idx"], args["topk_weights"], args["inverse"]
+            args["a"], w, args["bias"], args["expert_offsets"], args["topk_weights"], args["inverse"]
         ),
-        index_dtypes=_index_dtypes(args, "expert_offsets", "gather_idx", "inverse"),
+        index_dtypes=_index_dtypes(args, "expert_offsets", "inverse"),
     )  # fmt: skip
 
 
 # The tensors the kernels take by pointer, by op: their addresses decide too (interface.misaligned).
 _POINTERS = {
     "gate_up": ("x", "w", "bias", "expert_offsets", "gather_idx"),
-    "down_reduce": ("a", "w", "bias", "expert_offsets", "gather_idx", "topk_weights", "inverse"),
+    "down_reduce": ("a", "w", "bias", "expert_offsets", "topk_weights", "inverse"),
 }
 
 

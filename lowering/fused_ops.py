@@ -8,10 +8,9 @@ moe_ops::gate_up    = gather rows + [quantize] + grouped GEMM1 (+ bias) + activa
     expert_map); at M = 1 the kernel reads them before the plan completes, to start its weights
     early (cute_kernels/moe_gemm.py). A hint: the output depends on the plan only.
 moe_ops::down_reduce = grouped GEMM2 (+ bias) + router weight + reduction of each token's k rows
-    (intermediate [P, I'], ..., expert_offsets, gather_idx [P], topk_weights [M, k], inverse [P]) -> [M, H];
+    (intermediate [P, I'], ..., expert_offsets, topk_weights [M, k], inverse [P]) -> [M, H];
     the router weight and the sum come after GEMM2, in the token sum, which finds each pair's grouped
-    row by inverse. gather_idx is checked ([P], as inverse) but read by neither implementation: a
-    remnant of the GEMM2 epilogue that applied the router weight until v9 (bench/NOTES.md).
+    row by inverse.
     weights_early (default False): w and expert_offsets were written before the kernel
     launched just before this op started, and that kernel writes neither, as when gate_up over the
     same plan comes right before it; the kernel then starts loading w before waiting for that kernel
@@ -161,26 +160,23 @@ def _gate_up_fake(
 
 def check_down_reduce_args(
     a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
-    bias, expert_offsets, gather_idx, topk_weights, inverse, out_dtype, weights_early=False,
+    bias, expert_offsets, topk_weights, inverse, out_dtype, weights_early=False,
 ) -> None:  # fmt: skip
     """down_reduce's arguments, as check_gate_up_args: GEMM2 over a's rows, then each token's k rows,
-    which gather_idx and inverse both index ([P], P = M*k)."""
+    which inverse indexes ([P], P = M*k)."""
     check_gemm_args(
         a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
         bias, expert_offsets, None, out_dtype,
     )  # fmt: skip
     check_reduce_rows(f"a {tuple(a.shape)}", a.shape[0], topk_weights, inverse, expert_offsets)
-    _checks.expect_dtype("gather_idx", gather_idx, _checks.INDEX_DTYPES)
-    _checks.expect_shape("gather_idx", gather_idx, tuple(inverse.shape), "[M*k], as inverse")
-    _checks.expect_same_device({"a": a, "gather_idx": gather_idx, "topk_weights": topk_weights, "inverse": inverse})
+    _checks.expect_same_device({"a": a, "topk_weights": topk_weights, "inverse": inverse})
 
 
 def down_reduce_reference(
     a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
-    bias, expert_offsets, gather_idx, topk_weights, inverse, out_dtype, weights_early=False,
+    bias, expert_offsets, topk_weights, inverse, out_dtype, weights_early=False,
 ):  # fmt: skip
-    """The reference composition of down_reduce (gather_idx is unread, see the module docstring;
-    weights_early is for the kernels' launch order)."""
+    """The reference composition of down_reduce (weights_early is for the kernels' launch order)."""
     y = grouped_gemm(
         a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
         bias, expert_offsets, None, out_dtype,
@@ -203,7 +199,6 @@ def down_reduce(
     w_group: list[int],
     bias: torch.Tensor | None,
     expert_offsets: torch.Tensor,
-    gather_idx: torch.Tensor,
     topk_weights: torch.Tensor,
     inverse: torch.Tensor,
     out_dtype: torch.dtype,
@@ -219,7 +214,7 @@ def down_reduce(
 @down_reduce.register_fake
 def _down_reduce_fake(
     a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
-    bias, expert_offsets, gather_idx, topk_weights, inverse, out_dtype, weights_early=False,
+    bias, expert_offsets, topk_weights, inverse, out_dtype, weights_early=False,
 ):  # fmt: skip
     check_down_reduce_args(**locals())
     return a.new_empty((topk_weights.shape[0], w.shape[1]), dtype=out_dtype)

@@ -100,7 +100,7 @@ def _replace(graph: Graph, chain: Chain) -> Fused:
         dr_args = (
             inter, scale if q2 else None, g2["a_global_scale"], g2["a_dtype"], g2["a_group"],
             g2["w"], g2["w_scale"], g2["w_global_scale"], g2["w_zero"], g2["w_dtype"], g2["w_group"],
-            g2["bias"], g2["expert_offsets"], g1["gather_idx"], r["topk_weights"], r["inverse"], g2["out_dtype"],
+            g2["bias"], g2["expert_offsets"], r["topk_weights"], r["inverse"], g2["out_dtype"],
             _written_before(gu, (g2["w"], g2["expert_offsets"])),
         )  # fmt: skip
         dr = graph.call_function(DOWN_REDUCE, dr_args)

@@ -218,7 +218,7 @@ offsets, gather, inverse = routing_plan(ids, e, None)
 torch.cuda.synchronize()
 t.append(time.perf_counter())
 inter = interface.gate_up(x, w13, None, offsets, gather, activation="silu", alpha=1.702, limit=7.0, gate_layout="concat")
-interface.down_reduce(inter, w2, None, offsets, gather, tw, inverse)
+interface.down_reduce(inter, w2, None, offsets, tw, inverse)
 torch.cuda.synchronize()
 t.append(time.perf_counter())
 d = [b - a for a, b in zip(t, t[1:])]

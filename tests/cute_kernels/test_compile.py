@@ -257,10 +257,11 @@ def _direct_args(op: str) -> dict:
     before anything touches a GPU."""
     e, h, i, m, k = 4, 128, 128, 4, 2
     bf16, i32 = dict(dtype=torch.bfloat16), dict(dtype=torch.int32)
-    shared = dict(offsets=torch.tensor([0, 3, 5, 8, 8], **i32), gather=torch.randint(0, m, (m * k,), **i32))
+    offsets = torch.tensor([0, 3, 5, 8, 8], **i32)
     if op == "gate_up":
-        return dict(x=torch.randn(m, h, **bf16), w=torch.randn(e, 2 * i, h, **bf16), bias=None, **shared)
-    return dict(a=torch.randn(m * k, i, **bf16), w=torch.randn(e, h, i, **bf16), bias=None, **shared,
+        return dict(x=torch.randn(m, h, **bf16), w=torch.randn(e, 2 * i, h, **bf16), bias=None, offsets=offsets,
+                    gather=torch.randint(0, m, (m * k,), **i32))  # fmt: skip
+    return dict(a=torch.randn(m * k, i, **bf16), w=torch.randn(e, h, i, **bf16), bias=None, offsets=offsets,
                 topk_weights=torch.rand(m, k), inverse=torch.randperm(m * k).to(torch.int32))  # fmt: skip
 
 

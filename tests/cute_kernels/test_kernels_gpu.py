@@ -36,7 +36,7 @@ def run_layer(interface, x, w13, w2, tw, plan, activation="silu", alpha=1.702, l
     out = torch.full((tw.shape[0], h), float("nan"), device=x.device, dtype=x.dtype)
     interface.gate_up(x, w13, b13, offsets, gather, activation=activation, alpha=alpha, limit=limit, gate_layout=layout, out=inter, tiles=tiles[0])
     # gate_up, launched just before, writes neither w2 nor the offsets: GEMM2 may load weights early.
-    interface.down_reduce(inter, w2, b2, offsets, gather, tw, inverse, out=out, tiles=tiles[1], weights_early=early)
+    interface.down_reduce(inter, w2, b2, offsets, tw, inverse, out=out, tiles=tiles[1], weights_early=early)
     return inter, out
 
 
@@ -171,7 +171,7 @@ def test_cuda_graph_replay_matches_eager(interface, early):
     def layer():
         plan = routing_plan(ti, e, None)
         inter = interface.gate_up(x, w13, None, plan[0], plan[1], activation="silu", alpha=1.702, limit=7.0, gate_layout="concat")
-        return interface.down_reduce(inter, w2, None, plan[0], plan[1], tw, plan[2], weights_early=early)
+        return interface.down_reduce(inter, w2, None, plan[0], tw, plan[2], weights_early=early)
 
     layer()  # compiles before capture
     torch.cuda.synchronize()

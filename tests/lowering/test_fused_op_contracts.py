@@ -37,11 +37,11 @@ def _gate_up(**changes):
 
 
 def _down_reduce(**changes):
-    topk_weights, _, offsets, gather_idx, inverse = _plan()
+    topk_weights, _, offsets, _, inverse = _plan()
     args = dict(
         a=torch.randn(M * K_TOP, I), a_scale=None, a_global_scale=None, a_dtype="none", a_group=NONE,
         w=torch.randn(E, H, I), w_scale=None, w_global_scale=None, w_zero=None, w_dtype="none", w_group=NONE,
-        bias=torch.randn(E, H), expert_offsets=offsets, gather_idx=gather_idx, topk_weights=topk_weights,
+        bias=torch.randn(E, H), expert_offsets=offsets, topk_weights=topk_weights,
         inverse=inverse, out_dtype=torch.float32,
     )  # fmt: skip
     return down_reduce, list({**args, **changes}.values())
@@ -81,9 +81,6 @@ BAD = {
                            r"a \(7, 16\): expected M\*k=6 rows for topk_weights \(3, 2\), got 7"),
     "down_reduce_short_inverse": (lambda: _down_reduce(inverse=torch.arange(M * K_TOP - 1, dtype=_I32)), ValueError,
                                   r"inverse: expected shape \(6,\)"),
-    "down_reduce_short_gather": (lambda: _down_reduce(gather_idx=torch.arange(M * K_TOP - 1, dtype=_I32)), ValueError,
-                                 r"gather_idx: expected shape \(6,\) \(\[M\*k\], as inverse\), got \(5,\)"),
-    "down_reduce_float_gather": (lambda: _down_reduce(gather_idx=torch.zeros(M * K_TOP)), TypeError, r"gather_idx: dtype torch.float32"),
     "down_reduce_1d_weights": (lambda: _down_reduce(topk_weights=torch.rand(M * K_TOP)), ValueError, r"topk_weights: expected 2-D"),
     "down_reduce_bias_width": (lambda: _down_reduce(bias=torch.randn(E, H + 1)), ValueError, r"bias: expected shape \(4, 32\)"),
     "down_reduce_int8_without_scale": (lambda: _down_reduce(a_dtype="int8", a=torch.ones(M * K_TOP, I, dtype=torch.int8)),

@@ -67,10 +67,10 @@ def test_router_weights_off_a_16_byte_boundary_run_the_reference(monkeypatch):
         inter, _ = gate_up(*_cuda(gu))
         dr = _cuda([inter, *dr[1:]])
         aligned = down_reduce(*dr)
-    weights = dr[14]
+    weights = dr[13]
     shifted = torch.empty(weights.numel() + 1, device="cuda")[1:].view(weights.shape)
     shifted.copy_(weights)
-    off = [*dr[:14], shifted, *dr[15:]]
+    off = [*dr[:13], shifted, *dr[14:]]
     monkeypatch.setattr(backend, "_WARNED", set())
     with pytest.warns(UserWarning, match="topk_weights: its address is 4 bytes past a 16-byte boundary"):
         out = down_reduce(*off)
@@ -78,9 +78,9 @@ def test_router_weights_off_a_16_byte_boundary_run_the_reference(monkeypatch):
     assert err <= tolerance(c["dtype"]), f"reference against the kernels: relative error {err}"
     with lowering.enabled(require_kernels=True), pytest.raises(RuntimeError, match="topk_weights: its address"):
         down_reduce(*off)
-    a, w, bias, offsets, gather, inverse = dr[0], dr[5], dr[11], dr[12], dr[13], dr[15]
+    a, w, bias, offsets, inverse = dr[0], dr[5], dr[11], dr[12], dr[14]
     with pytest.raises(ValueError, match="topk_weights: its address is 4 bytes"):
-        interface.down_reduce(a, w, bias, offsets, gather, shifted, inverse)
+        interface.down_reduce(a, w, bias, offsets, shifted, inverse)
     with lowering.enabled(require_kernels=True):
         again = down_reduce(*dr)
     torch.cuda.synchronize()

@@ -32,7 +32,8 @@ from .cases import CASES, inputs, quantized
 
 TOKENS = (1, 5, 64, 300)
 # Beyond the example models: recipes whose fused ops take a static activation scale and nvfp4
-# global scales, so that the pass's argument wiring of those is checked end to end too.
+# global scales, so that the pass's argument wiring of those is checked end to end too, and an
+# ungated activation (relu2: w13 is [E, I, H], gate_up's output as wide as GEMM1's).
 EXTRA_CASES = {
     "fp8_per_tensor_static": lambda: quantized(
         Q.QuantScheme(Q.ActivationQuant("fp8", Q.PER_TENSOR, static=True), Q.WeightQuant("fp8", Q.PER_TENSOR))
@@ -40,6 +41,7 @@ EXTRA_CASES = {
     "nvfp4_w4a4": lambda: quantized(
         Q.QuantScheme(Q.ActivationQuant("nvfp4", Q.GroupShape(1, 16)), Q.WeightQuant("nvfp4", Q.GroupShape(1, 16)))
     ),
+    "relu2": lambda: (cases.Experts(*cases.float_weights(4, 128, 64, gated=False), activation="relu2"), 128, 4, torch.float32),
 }
 ALL_CASES = {**CASES, **EXTRA_CASES}
 FUSABLE = [name for name in ALL_CASES if name != "second_user"]
@@ -257,6 +259,61 @@ def test_quantize_recipe_must_match_the_first_gemms(name):
         assert report.fused == [] and len(report.unfused) == 1 and GATE_UP not in targets
         reason = report.unfused[0].reason
         assert ("global scale" in reason) if scales == "other" else (f"made it as {made[0]} {made[1]}" in reason)
+        assert row.fused == "not fused" and reason in row.backend
+
+
+class TwoPlans(nn.Module):
+    """A chain written with the primitive ops over two routing plans of the same topk_ids: one without
+    an expert_map and one whose expert_map drops expert 3 (its pairs leave the grouped rows, so the
+    offsets differ). `other` names the op that reads the second plan's expert_offsets (None: none does,
+    an ordinary fusable chain)."""
+
+    def __init__(self, other: str | None):
+        super().__init__()
+        w13, w2 = cases.float_weights(4, 128, 64)
+        self.register_buffer("w13", w13)
+        self.register_buffer("w2", w2)
+        self.register_buffer("expert_map", torch.tensor([0, 1, 2, -1], dtype=torch.int32))
+        self.other = other
+
+    def forward(self, x, topk_weights, topk_ids):
+        if x.shape[1] != self.w13.shape[2]:
+            raise ValueError(f"x: expected [M, {self.w13.shape[2]}], got {tuple(x.shape)}")
+        offsets, gather_idx, inverse = routing_plan(topk_ids, 4, None)
+        other_offsets = routing_plan(topk_ids, 4, self.expert_map)[0]
+        off = {op: other_offsets if op == self.other else offsets for op in ("gemm1", "gemm2", "weighted_reduce")}
+        none = [-1, -1]
+        h = grouped_gemm(x, None, None, "none", none, self.w13, None, None, None, "none", none, None,
+                         off["gemm1"], gather_idx, x.dtype)  # fmt: skip
+        a = activation_op(h, "silu", 1.702, 7.0, False)
+        y = grouped_gemm(a, None, None, "none", none, self.w2, None, None, None, "none", none, None, off["gemm2"], None, x.dtype)
+        return weighted_reduce(y, topk_weights, inverse, off["weighted_reduce"])
+
+
+@pytest.mark.parametrize("other", [None, "gemm1", "gemm2", "weighted_reduce"])
+def test_chain_over_two_routing_plans_is_not_fused(other):
+    """gate_up and down_reduce read one expert_offsets for both GEMMs and the reduction. A chain whose
+    GEMMs and weighted_reduce take theirs from different routing plans computes something the fused
+    pair cannot: it is left unfused, explain() says why, and compiled equals eager (the same chain over
+    one plan is fused). Removing that check in lowering/chains.py passed every other test: each such
+    chain was fused, and the one whose reduction read the other plan (down_reduce reduces with GEMM2's
+    offsets) compiled to an output far from eager (relative error 0.47 to 0.74 in the runs tried)."""
+    model = TwoPlans(other)
+    batches = [inputs(128, 4, torch.float32, m) for m in TOKENS]
+    refs = eager(model, batches)
+    outs, graphs, seen = run_compiled(model, batches)
+    assert graphs == 1
+    for out, ref in zip(outs, refs):
+        assert_close_to_eager(out, ref, torch.float32)
+    _, report, targets = seen[0]
+    (row,) = lowering.explain(model, *inputs(128, 4, torch.float32)).layers
+    if other is None:
+        assert len(report.fused) == 1 and report.unfused == [] and targets.count(GATE_UP) == 1
+        assert row.fused == "gate_up + down_reduce"
+    else:
+        assert report.fused == [] and len(report.unfused) == 1 and GATE_UP not in targets
+        reason = report.unfused[0].reason
+        assert "different expert_offsets" in reason
         assert row.fused == "not fused" and reason in row.backend
 
 
@@ -573,14 +630,13 @@ def _meta_down_reduce_args(dtype=torch.bfloat16) -> dict:
         a=torch.empty(m * k, i, dtype=dtype, **meta), a_scale=None, a_global_scale=None, a_dtype="none", a_group=[-1, -1],
         w=torch.empty(e, h, i, dtype=dtype, **meta), w_scale=None, w_global_scale=None, w_zero=None, w_dtype="none",
         w_group=[-1, -1], bias=None, expert_offsets=torch.empty(e + 1, dtype=torch.int32, **meta),
-        gather_idx=torch.empty(m * k, dtype=torch.int32, **meta), topk_weights=torch.empty(m, k, **meta),
-        inverse=torch.empty(m * k, dtype=torch.int32, **meta), out_dtype=dtype, weights_early=False,
+        topk_weights=torch.empty(m, k, **meta), inverse=torch.empty(m * k, dtype=torch.int32, **meta), out_dtype=dtype,
+        weights_early=False,
     )  # fmt: skip
 
 
 @pytest.mark.parametrize("op, name", [("gate_up", "expert_offsets"), ("gate_up", "gather_idx"),
-                                      ("down_reduce", "expert_offsets"), ("down_reduce", "gather_idx"),
-                                      ("down_reduce", "inverse")])  # fmt: skip
+                                      ("down_reduce", "expert_offsets"), ("down_reduce", "inverse")])  # fmt: skip
 def test_kernels_decline_int64_index_tensors(op, name):
     """The primitive ops take int64 offsets and indices (a hand-written chain's own plan); the kernels
     read them through int32 pointers (cute_kernels.interface._ptr has no int64), so such a recipe
@@ -644,7 +700,7 @@ def test_kernel_interface_rejects_misaligned_tensors_before_launching():
     with pytest.raises(ValueError, match="topk_weights: its address is 8 bytes past a 16-byte boundary"):
         interface.down_reduce(
             torch.empty(8, 64, dtype=torch.bfloat16), torch.empty(2, 64, 64, dtype=torch.bfloat16), None, torch.zeros(3, dtype=torch.int32),
-            torch.zeros(8, dtype=torch.int32), torch.empty(5, 2)[1:], torch.zeros(8, dtype=torch.int32),
+            torch.empty(5, 2)[1:], torch.zeros(8, dtype=torch.int32),
         )  # fmt: skip
 
 
@@ -700,6 +756,15 @@ RECIPES = {
     ),
     "gpt_oss": (torch.float32, Q.UNQUANTIZED, SWIGLUOAI, True, True),
     "gpt_oss_bf16": (torch.bfloat16, Q.UNQUANTIZED, SWIGLUOAI, True, False),  # served by the kernels on sm_90
+    # Ungated: w13 is [E, I, H] and gate_up's output [P, I], not half of GEMM1's width. With
+    # gate_up's fake impl halving it for relu2 too, every other test passed and every relu2 layer
+    # failed to compile under the lowering.
+    "relu2": (torch.float32, Q.UNQUANTIZED, moe_ops.Activation("relu2"), False, False),
+    "relu2_fp8_block": (
+        torch.float32,
+        Q.QuantScheme(Q.ActivationQuant("fp8", Q.GroupShape(1, 128)), Q.WeightQuant("fp8", Q.GroupShape(128, 128))),
+        moe_ops.Activation("relu2"), False, False,
+    ),
 }  # fmt: skip
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -707,9 +772,10 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 def build_layer(recipe: str, m: int):
     """A layer of `recipe` with M = m tokens: (gate_up args, down_reduce args, everything else)."""
     dtype, scheme, act, biases, column_major = RECIPES[recipe]
-    w13 = torch.randn(E, 2 * I, H) / H**0.5
+    n = (2 if act.gated else 1) * I  # GEMM1's output width
+    w13 = torch.randn(E, n, H) / H**0.5
     w2 = torch.randn(E, H, I) / I**0.5
-    b13 = (torch.randn(E, 2 * I) / 10).to(dtype) if biases else None
+    b13 = (torch.randn(E, n) / 10).to(dtype) if biases else None
     b2 = (torch.randn(E, H) / 10).to(dtype) if biases else None
     if scheme.weight is None:
         w13, w2 = w13.to(dtype), w2.to(dtype)
@@ -736,7 +802,7 @@ def build_layer(recipe: str, m: int):
     dr = [
         inter, inter_scale if aq is not None else None, t2["a_global_scale"], a_dtype, a_group,
         q2, t2["w_scale"], t2["w_global_scale"], t2["w_zero"], w_dtype, w_group,
-        t2["bias"], offsets, gather_idx, topk_weights, inverse, dtype,
+        t2["bias"], offsets, topk_weights, inverse, dtype,
     ]  # fmt: skip
     ctx = dict(dtype=dtype, scheme=scheme, act=act, config=config, q13=q13, q2=q2, t13=t13, t2=t2,
                x=x, topk_weights=topk_weights, topk_ids=topk_ids)  # fmt: skip
@@ -814,7 +880,7 @@ def test_fused_ops_equal_primitive_composition(recipe, m):
 
     # down_reduce == grouped_gemm (no gather) -> weighted_reduce
     (a2, a2_scale, a2_global, a2_dtype, a2_group, w2, w2_scale, w2_global, w2_zero, w2_dtype, w2_group, bias2,
-     offsets2, _gather2, topk_weights, inverse, out_dtype2) = dr  # fmt: skip
+     offsets2, topk_weights, inverse, out_dtype2) = dr  # fmt: skip
     y = grouped_gemm(a2, a2_scale, a2_global, a2_dtype, a2_group, w2, w2_scale, w2_global, w2_zero, w2_dtype,
                      w2_group, bias2, offsets2, None, out_dtype2)  # fmt: skip
     want_out = weighted_reduce(y, topk_weights, inverse, offsets2)

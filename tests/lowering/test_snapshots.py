@@ -30,7 +30,7 @@ v2: i32[S0*S1] = getitem(v0, 1)
 v3: i32[S0*S1] = getitem(v0, 2)
 v4: (bf16[S0*S1, 64], f32[0]) = moe_ops.gate_up(in2, None, None, 'none', [-1, -1], in0, None, None, None, 'none', [-1, -1], None, v1, v2, 'silu', 1.702, 7.0, False, 'none', [-1, -1], None, None, bf16, in4)
 v5: bf16[S0*S1, 64] = getitem(v4, 0)
-v6: bf16[S0, 128] = moe_ops.down_reduce(v5, None, None, 'none', [-1, -1], in1, None, None, None, 'none', [-1, -1], None, v1, v2, in3, v3, bf16, True)
+v6: bf16[S0, 128] = moe_ops.down_reduce(v5, None, None, 'none', [-1, -1], in1, None, None, None, 'none', [-1, -1], None, v1, in3, v3, bf16, True)
 return [v6]
 
 | layer | fused ops | recipe | dtypes | backend / reason |
@@ -39,7 +39,7 @@ return [v6]
         self.assertExpectedInline(e.code(), """\
 buf# = torch.ops.moe_ops.routing_plan.default(arg#, 4, None)
 buf# = torch.ops.moe_ops.gate_up.default(arg#, None, None, 'none', [-1, -1], arg#, None, None, None, 'none', [-1, -1], None, buf#, buf#, 'silu', 1.702, 7.0, False, 'none', [-1, -1], None, None, torch.bfloat16, arg#)
-buf# = torch.ops.moe_ops.down_reduce.default(buf#, None, None, 'none', [-1, -1], arg#, None, None, None, 'none', [-1, -1], None, buf#, buf#, arg#, buf#, torch.bfloat16, True)""")
+buf# = torch.ops.moe_ops.down_reduce.default(buf#, None, None, 'none', [-1, -1], arg#, None, None, None, 'none', [-1, -1], None, buf#, arg#, buf#, torch.bfloat16, True)""")
 
     def test_fp8_block(self):
         e = self.explain("fp8_block")
@@ -58,7 +58,7 @@ v3: i32[S0*S1] = getitem(v0, 2)
 v4: (f8e4m3[S0*S1, 128], f32[S0*S1, 1]) = moe_ops.gate_up(in2, None, None, 'fp8', [1, 128], in0, in5, None, None, 'fp8', [128, 128], None, v1, v2, 'silu', 1.702, 7.0, False, 'fp8', [1, 128], None, None, f32, in4)
 v5: f8e4m3[S0*S1, 128] = getitem(v4, 0)
 v6: f32[S0*S1, 1] = getitem(v4, 1)
-v7: f32[S0, 256] = moe_ops.down_reduce(v5, v6, None, 'fp8', [1, 128], in1, in6, None, None, 'fp8', [128, 128], None, v1, v2, in3, v3, f32, True)
+v7: f32[S0, 256] = moe_ops.down_reduce(v5, v6, None, 'fp8', [1, 128], in1, in6, None, None, 'fp8', [128, 128], None, v1, in3, v3, f32, True)
 return [v7]
 
 | layer | fused ops | recipe | dtypes | backend / reason |
@@ -67,7 +67,7 @@ return [v7]
         self.assertExpectedInline(e.code(), """\
 buf# = torch.ops.moe_ops.routing_plan.default(arg#, 4, None)
 buf# = torch.ops.moe_ops.gate_up.default(arg#, None, None, 'fp8', [1, 128], arg#, arg#, None, None, 'fp8', [128, 128], None, buf#, buf#, 'silu', 1.702, 7.0, False, 'fp8', [1, 128], None, None, torch.float32, arg#)
-buf# = torch.ops.moe_ops.down_reduce.default(buf#, buf#, None, 'fp8', [1, 128], arg#, arg#, None, None, 'fp8', [128, 128], None, buf#, buf#, arg#, buf#, torch.float32, True)""")
+buf# = torch.ops.moe_ops.down_reduce.default(buf#, buf#, None, 'fp8', [1, 128], arg#, arg#, None, None, 'fp8', [128, 128], None, buf#, arg#, buf#, torch.float32, True)""")
 
     def test_fp8_per_tensor(self):
         e = self.explain("fp8_per_tensor")
@@ -86,7 +86,7 @@ v3: i32[S0*S1] = getitem(v0, 2)
 v4: (f8e4m3[S0*S1, 128], f32[1, 1]) = moe_ops.gate_up(in2, None, None, 'fp8', [-1, -1], in0, in5, None, None, 'fp8', [-1, -1], None, v1, v2, 'silu', 1.702, 7.0, False, 'fp8', [-1, -1], None, None, f32, in4)
 v5: f8e4m3[S0*S1, 128] = getitem(v4, 0)
 v6: f32[1, 1] = getitem(v4, 1)
-v7: f32[S0, 256] = moe_ops.down_reduce(v5, v6, None, 'fp8', [-1, -1], in1, in6, None, None, 'fp8', [-1, -1], None, v1, v2, in3, v3, f32, True)
+v7: f32[S0, 256] = moe_ops.down_reduce(v5, v6, None, 'fp8', [-1, -1], in1, in6, None, None, 'fp8', [-1, -1], None, v1, in3, v3, f32, True)
 return [v7]
 
 | layer | fused ops | recipe | dtypes | backend / reason |
@@ -95,7 +95,7 @@ return [v7]
         self.assertExpectedInline(e.code(), """\
 buf# = torch.ops.moe_ops.routing_plan.default(arg#, 4, None)
 buf# = torch.ops.moe_ops.gate_up.default(arg#, None, None, 'fp8', [-1, -1], arg#, arg#, None, None, 'fp8', [-1, -1], None, buf#, buf#, 'silu', 1.702, 7.0, False, 'fp8', [-1, -1], None, None, torch.float32, arg#)
-buf# = torch.ops.moe_ops.down_reduce.default(buf#, buf#, None, 'fp8', [-1, -1], arg#, arg#, None, None, 'fp8', [-1, -1], None, buf#, buf#, arg#, buf#, torch.float32, True)""")
+buf# = torch.ops.moe_ops.down_reduce.default(buf#, buf#, None, 'fp8', [-1, -1], arg#, arg#, None, None, 'fp8', [-1, -1], None, buf#, arg#, buf#, torch.float32, True)""")
 
     def test_int4_w4a16(self):
         e = self.explain("int4_w4a16")
@@ -115,7 +115,7 @@ v2: i32[S0*S1] = getitem(v0, 1)
 v3: i32[S0*S1] = getitem(v0, 2)
 v4: (f32[S0*S1, 128], f32[0]) = moe_ops.gate_up(in2, None, None, 'none', [-1, -1], in0, in5, None, in7, 'int4', [1, 64], None, v1, v2, 'silu', 1.702, 7.0, False, 'none', [-1, -1], None, None, f32, in4)
 v5: f32[S0*S1, 128] = getitem(v4, 0)
-v6: f32[S0, 256] = moe_ops.down_reduce(v5, None, None, 'none', [-1, -1], in1, in6, None, in8, 'int4', [1, 64], None, v1, v2, in3, v3, f32, True)
+v6: f32[S0, 256] = moe_ops.down_reduce(v5, None, None, 'none', [-1, -1], in1, in6, None, in8, 'int4', [1, 64], None, v1, in3, v3, f32, True)
 return [v6]
 
 | layer | fused ops | recipe | dtypes | backend / reason |
@@ -124,7 +124,7 @@ return [v6]
         self.assertExpectedInline(e.code(), """\
 buf# = torch.ops.moe_ops.routing_plan.default(arg#, 4, None)
 buf# = torch.ops.moe_ops.gate_up.default(arg#, None, None, 'none', [-1, -1], arg#, arg#, None, arg#, 'int4', [1, 64], None, buf#, buf#, 'silu', 1.702, 7.0, False, 'none', [-1, -1], None, None, torch.float32, arg#)
-buf# = torch.ops.moe_ops.down_reduce.default(buf#, None, None, 'none', [-1, -1], arg#, arg#, None, arg#, 'int4', [1, 64], None, buf#, buf#, arg#, buf#, torch.float32, True)""")
+buf# = torch.ops.moe_ops.down_reduce.default(buf#, None, None, 'none', [-1, -1], arg#, arg#, None, arg#, 'int4', [1, 64], None, buf#, arg#, buf#, torch.float32, True)""")
 
     def test_gpt_oss(self):
         e = self.explain("gpt_oss")
@@ -142,7 +142,7 @@ v2: i32[S0*S1] = getitem(v0, 1)
 v3: i32[S0*S1] = getitem(v0, 2)
 v4: (f32[S0*S1, 64], f32[0]) = moe_ops.gate_up(in4, None, None, 'none', [-1, -1], in0, None, None, None, 'none', [-1, -1], in2, v1, v2, 'swigluoai', 1.702, 7.0, True, 'none', [-1, -1], None, None, f32, in6)
 v5: f32[S0*S1, 64] = getitem(v4, 0)
-v6: f32[S0, 128] = moe_ops.down_reduce(v5, None, None, 'none', [-1, -1], in1, None, None, None, 'none', [-1, -1], in3, v1, v2, in5, v3, f32, True)
+v6: f32[S0, 128] = moe_ops.down_reduce(v5, None, None, 'none', [-1, -1], in1, None, None, None, 'none', [-1, -1], in3, v1, in5, v3, f32, True)
 return [v6]
 
 | layer | fused ops | recipe | dtypes | backend / reason |
@@ -151,7 +151,7 @@ return [v6]
         self.assertExpectedInline(e.code(), """\
 buf# = torch.ops.moe_ops.routing_plan.default(arg#, 4, None)
 buf# = torch.ops.moe_ops.gate_up.default(arg#, None, None, 'none', [-1, -1], arg#, None, None, None, 'none', [-1, -1], arg#, buf#, buf#, 'swigluoai', 1.702, 7.0, True, 'none', [-1, -1], None, None, torch.float32, arg#)
-buf# = torch.ops.moe_ops.down_reduce.default(buf#, None, None, 'none', [-1, -1], arg#, None, None, None, 'none', [-1, -1], arg#, buf#, buf#, arg#, buf#, torch.float32, True)""")
+buf# = torch.ops.moe_ops.down_reduce.default(buf#, None, None, 'none', [-1, -1], arg#, None, None, None, 'none', [-1, -1], arg#, buf#, arg#, buf#, torch.float32, True)""")
 
     def test_two_layers(self):
         e = self.explain("two_layers")
@@ -173,11 +173,11 @@ v6: i32[S0*S1] = getitem(v4, 1)
 v7: i32[S0*S1] = getitem(v4, 2)
 v8: (f32[S0*S1, 64], f32[0]) = moe_ops.gate_up(in2, None, None, 'none', [-1, -1], in0, None, None, None, 'none', [-1, -1], None, v1, v2, 'silu', 1.702, 7.0, False, 'none', [-1, -1], None, None, f32, in4)
 v9: f32[S0*S1, 64] = getitem(v8, 0)
-v10: f32[S0, 128] = moe_ops.down_reduce(v9, None, None, 'none', [-1, -1], in1, None, None, None, 'none', [-1, -1], None, v1, v2, in3, v3, f32, True)
+v10: f32[S0, 128] = moe_ops.down_reduce(v9, None, None, 'none', [-1, -1], in1, None, None, None, 'none', [-1, -1], None, v1, in3, v3, f32, True)
 v11: f32[S0, 128] = aten.add.Tensor(in2, v10)
 v12: (f32[S0*S1, 64], f32[0]) = moe_ops.gate_up(v11, None, None, 'none', [-1, -1], in5, None, None, None, 'none', [-1, -1], None, v5, v6, 'silu', 1.702, 7.0, False, 'none', [-1, -1], None, None, f32, in4)
 v13: f32[S0*S1, 64] = getitem(v12, 0)
-v14: f32[S0, 128] = moe_ops.down_reduce(v13, None, None, 'none', [-1, -1], in6, None, None, None, 'none', [-1, -1], None, v5, v6, in3, v7, f32, True)
+v14: f32[S0, 128] = moe_ops.down_reduce(v13, None, None, 'none', [-1, -1], in6, None, None, None, 'none', [-1, -1], None, v5, in3, v7, f32, True)
 v15: f32[S0, 128] = aten.add.Tensor(v11, v14)
 return [v15]
 
@@ -189,9 +189,9 @@ return [v15]
 buf# = torch.ops.moe_ops.routing_plan.default(arg#, 4, None)
 buf# = torch.ops.moe_ops.routing_plan.default(arg#, 4, None)
 buf# = torch.ops.moe_ops.gate_up.default(arg#, None, None, 'none', [-1, -1], arg#, None, None, None, 'none', [-1, -1], None, buf#, buf#, 'silu', 1.702, 7.0, False, 'none', [-1, -1], None, None, torch.float32, arg#)
-buf# = torch.ops.moe_ops.down_reduce.default(buf#, None, None, 'none', [-1, -1], arg#, None, None, None, 'none', [-1, -1], None, buf#, buf#, arg#, buf#, torch.float32, True)
+buf# = torch.ops.moe_ops.down_reduce.default(buf#, None, None, 'none', [-1, -1], arg#, None, None, None, 'none', [-1, -1], None, buf#, arg#, buf#, torch.float32, True)
 buf# = torch.ops.moe_ops.gate_up.default(buf#, None, None, 'none', [-1, -1], arg#, None, None, None, 'none', [-1, -1], None, buf#, buf#, 'silu', 1.702, 7.0, False, 'none', [-1, -1], None, None, torch.float32, arg#)
-buf# = torch.ops.moe_ops.down_reduce.default(buf#, None, None, 'none', [-1, -1], arg#, None, None, None, 'none', [-1, -1], None, buf#, buf#, arg#, buf#, torch.float32, True)""")
+buf# = torch.ops.moe_ops.down_reduce.default(buf#, None, None, 'none', [-1, -1], arg#, None, None, None, 'none', [-1, -1], None, buf#, arg#, buf#, torch.float32, True)""")
 
     def test_second_user_not_fused(self):
         e = self.explain("second_user")
