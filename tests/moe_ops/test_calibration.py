@@ -261,6 +261,8 @@ def test_load_weights_without_calibration_is_rejected(name):
         ({"gate.weight": torch.randn(E, H)}, None, r"calibration: scheme .* has static activation scales"),
         (weights, torch.randn(5, H // 2), r"calibration: expected sample hidden states \[\.\.\., H=128\] .* got shape \(5, 64\)"),
         (weights, nan_x, r"calibration: holds NaN or inf"),
+        # no token: an amax over nothing (without the check, a scale from an empty reduction)
+        (weights, torch.randn(0, H), r"calibration: expected sample hidden states \[\.\.\., H=128\] with at least one token, got shape \(0, 128\)"),
         ({**weights, "w13": inf_w13}, torch.randn(4, H), r"weights\['w13'\]: holds NaN or inf"),
     ]
     for w, cal, match in bad:

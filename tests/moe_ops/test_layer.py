@@ -313,6 +313,16 @@ def test_load_stacked_transposed():
         layer.load_weights({}, transposed="yes")
 
 
+def test_transposed_leaves_per_expert_weights_as_they_are():
+    """transposed=True concerns stacked tensors only: per-expert weights are [out, in] (nn.Linear) in
+    every checkpoint, and are not flipped with it (I == H, where a flip would pass the shape check)."""
+    layer = _layer(intermediate_size=H)
+    parts = {p: torch.randn(E, H, H) for p in ("gate_proj", "up_proj", "down_proj")}
+    layer.load_weights({f"experts.{e}.{p}.weight": parts[p][e] for p in parts for e in range(E)}, transposed=True)
+    w13, w2 = layer.float_weights()
+    assert torch.equal(w2, parts["down_proj"]) and torch.equal(w13, torch.cat((parts["gate_proj"], parts["up_proj"]), dim=1))
+
+
 def test_load_only_some_tensors_keeps_the_rest():
     layer = _layer()
     old13, old2 = layer.float_weights()
@@ -417,12 +427,17 @@ def test_failed_load_leaves_router_untouched(bad):
     assert torch.equal(layer.router.weight, router)
 
 
-@pytest.mark.parametrize("case", ["extra_experts", "relu2_gate", "stacked_and_per_expert"])
+@pytest.mark.parametrize("case", ["extra_experts", "expert_E", "relu2_gate", "stacked_and_per_expert"])
 def test_load_rejects_unused_tensors(case):
     parts = _expert_tensors(num=E + 2)
     names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-    if case == "extra_experts":
-        layer, weights = _layer(), {f"experts.{e}.{names[p]}.weight": parts[p][e] for p in parts for e in range(E + 2)}
+    if case in ("extra_experts", "expert_E"):
+        # expert_E: one past the last expert exactly (an off-by-one, expert > E, let it through)
+        count = E + 2 if case == "extra_experts" else E + 1
+        layer, weights = _layer(), {f"experts.{e}.{names[p]}.weight": parts[p][e] for p in parts for e in range(count)}
+        with pytest.raises(ValueError, match=rf"weights\['experts\.{E}\.\w+\.weight'\]: expert {E} >= num_experts={E}"):
+            layer.load_weights(weights)
+        return
     elif case == "relu2_gate":
         layer = _layer(activation="relu2")
         weights = {f"experts.{e}.{names[p]}.weight": parts[p][e] for p in parts for e in range(E)}

@@ -32,3 +32,28 @@ def test_cuda_without_a_gpu_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit):
         main(["--device", "cuda"])
     assert "--device: cuda asked for, but torch.cuda.is_available() is False" in capsys.readouterr().err
+
+
+def test_the_demo_passes_on_the_cpu_and_fails_when_its_check_does(monkeypatch, capsys):
+    """The demo's verdict is its exit status: 0 with "ok" on the CPU (float32, judged by float32's
+    tolerance), 1 with "FAILED" when an error exceeds the tolerance or is NaN. A demo that always
+    returned 0, judged float32 by bf16's looser bound, or let a NaN error pass went unnoticed."""
+    import moe_ops.__main__ as demo
+
+    asked = []
+
+    real_tolerance = demo.tolerance
+
+    def tolerance(dtype):
+        asked.append(dtype)
+        return real_tolerance(dtype)
+
+    monkeypatch.setattr(demo, "tolerance", tolerance)
+    assert main(["--device", "cpu", "--tokens", "3", "--repeats", "1"]) == 0
+    assert asked == [torch.float32] and capsys.readouterr().out.rstrip().endswith(": ok")
+    monkeypatch.setattr(demo, "tolerance", lambda dtype: 0.0)
+    assert main(["--device", "cpu", "--tokens", "3", "--repeats", "1"]) == 1
+    assert capsys.readouterr().out.rstrip().endswith(": FAILED")
+    monkeypatch.setattr(demo, "tolerance", real_tolerance)
+    monkeypatch.setattr(demo, "relative_error", lambda out, ref: float("nan"))
+    assert main(["--device", "cpu", "--tokens", "3", "--repeats", "1"]) == 1

@@ -171,6 +171,18 @@ def test_routing_plan_empty_expert_map():
     assert_fake_matches(OPS.routing_plan, [ids, 2, torch.zeros(0, dtype=torch.int32)])
 
 
+def test_routing_plan_without_local_experts():
+    """num_experts 0 (a rank that holds no expert) is allowed: offsets [0] and every pair dropped, in
+    pair order; a negative count is an error."""
+    ids = torch.randint(0, 3, (3, 2), dtype=torch.int32)
+    offsets, gather_idx, inverse = OPS.routing_plan(ids, 0, None)
+    assert offsets.tolist() == [0]
+    assert gather_idx.tolist() == [0, 0, 1, 1, 2, 2] and inverse.tolist() == list(range(6))
+    assert_fake_matches(OPS.routing_plan, [ids, 0, None])
+    with pytest.raises(ValueError, match=r"num_experts: got -1; allowed: an int >= 0"):
+        OPS.routing_plan(ids, -1, None)
+
+
 @pytest.mark.parametrize("layout", ["transposed", "column_sliced", "rows_0"])
 @pytest.mark.parametrize("kind,interleaved", [("silu", False), ("swigluoai", True), ("relu2", False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -40,6 +40,12 @@ INTERPRETER_CASES = [
     (40, 4, 16, "wide", "blocks:32:64"),
     (40, 4, 16, "wide_map", "keys:32"),
     (40, 4, 16, "wide_map", "blocks:32:64"),
+    # ids exactly one past the experts (E, or the map's length) and negative: dropped. Random draws
+    # rarely hit the edge itself, and an off-by-one there (ids <= E counted in range) went unnoticed.
+    (40, 4, 16, "edges", "keys:32"),
+    (40, 4, 16, "edges", "blocks:32:64"),
+    (40, 4, 16, "edges_map", "keys:32"),
+    (40, 4, 16, "edges_map", "blocks:32:64"),
 ]
 
 
@@ -79,6 +85,17 @@ _SCRIPT = textwrap.dedent(
         if kind == "wide_map":
             emap = torch.randint(-1, e, (e,), dtype=torch.int64)
             emap = torch.where(torch.rand(e) < 0.3, emap + 2**32, emap)
+    elif kind.startswith("edges"):
+        # Every pair's id on an edge: -1, E (one past the experts) or, with a map, its length and one
+        # below it; the rest valid.
+        ids = torch.randint(0, e, (m, k), dtype=torch.int32)
+        edges = torch.tensor([-1, e] if kind == "edges" else [-1, e + 4, e + 3], dtype=torch.int32)
+        pick = torch.rand(m, k) < 0.4
+        ids = torch.where(pick, edges[torch.randint(0, len(edges), (m, k))], ids)
+        if kind == "edges_map":
+            emap = torch.randint(-1, e, (e + 4,), dtype=torch.int32)
+            emap[e + 3] = 2  # the map's last entry is a local expert: ids equal to it count
+        assert (ids == edges[1]).any() and (ids == -1).any()
     else:
         ids = torch.randint(0, e, (m, k), dtype=torch.int32)
     if kind.startswith("wide"):

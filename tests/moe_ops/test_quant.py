@@ -490,8 +490,19 @@ BAD_DEQUANTIZE = {
     "nvfp4_global_shape": (_NVFP4, lambda q, s, g, z: (q, s, torch.ones(3), None), ValueError,
                            r"global_scale: expected shape \(2,\) \(\[E\]\), got \(3,\)"),
     "nvfp4_global_dtype": (_NVFP4, lambda q, s, g, z: (q, s, g.double(), None), TypeError, r"global_scale: dtype torch.float64 is not allowed"),
+    "global_for_int4": (_INT4, lambda q, s, g, z: (q, s, torch.ones(2), None), ValueError, r"global_scale: only nvfp4 weights have one, got one for int4"),
     "zero_dtype": (_INT4_ZP, lambda q, s, g, z: (q, s, None, z.float()), TypeError, r"zero: dtype torch.float32 is not allowed; allowed: torch.uint8"),
 }  # fmt: skip
+
+
+def test_quantize_weights_keeps_biases_of_an_unquantized_scheme():
+    """An unquantized scheme's config still carries the expert biases it was given (they were dropped
+    with the suite green: the layer would then run without them)."""
+    w13, w2 = torch.randn(2, 32, 16), torch.randn(2, 16, 16)
+    b13, b2 = torch.randn(2, 32), torch.randn(2, 16)
+    q13, q2, config = quantize_weights(QuantScheme(), w13, w2, w13_bias=b13, w2_bias=b2)
+    assert q13 is w13 and q2 is w2
+    assert torch.equal(config.w13_bias, b13) and torch.equal(config.w2_bias, b2)
 
 
 @pytest.mark.parametrize("case", list(BAD_DEQUANTIZE))
