@@ -350,3 +350,118 @@ def test_quantized_experts_are_refused_by_name():
     ids = torch.zeros(3, 2, dtype=torch.int64)
     with pytest.raises(NotImplementedError, match=r"Lfm2MoeExperts.gate_up_proj: dtype torch.float8_e4m3fn; the moe_ops experts implementation reads float experts"):
         INTEGRATION.moe_ops_experts_forward(experts, torch.randn(3, 16), ids, torch.rand(3, 2))
+
+
+def _mixtral_experts(seed=0):
+    """One float32 MixtralExperts (4 experts, top-2, concatenated [gate; up]) with random weights."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    return _reinit(MixtralExperts(_config("mixtral")), seed)
+
+
+def _routing(seed, tokens=10, num_experts=4, dtype=torch.float32):
+    g = generator(seed)
+    hidden = torch.randn(tokens, COMMON["hidden_size"], generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:2] for _ in range(tokens)])
+    return hidden, ids, torch.rand(tokens, 2, generator=g)
+
+
+@torch.no_grad()
+def _eager_and_ours(experts, hidden, ids, weights):
+    """(the experts module's own eager forward, the same call through the moe_ops implementation)."""
+    experts.config._experts_implementation = "eager"
+    eager = experts(hidden, ids, weights)
+    experts.config._experts_implementation = "moe_ops"
+    return eager, experts(hidden, ids, weights)
+
+
+def test_experts_without_is_concatenated_read_as_concatenated(spy):
+    """An experts module that lacks the is_concatenated flag (a class not decorated with transformers'
+    current use_experts_implementation, or one from an older release) keeps [gate; up] concatenated, as
+    eager's chunk(2) reads it: moe_ops must default to concatenated, not interleaved (a flipped default
+    of getattr(experts, "is_concatenated", ...) would pair gate rows with up rows)."""
+    experts = _mixtral_experts()
+    del experts.is_concatenated
+    assert not hasattr(experts, "is_concatenated")
+    assert INTEGRATION.experts_activation(experts) == moe_ops.Activation("silu", interleaved=False)
+    eager, ours = _eager_and_ours(experts, *_routing(9))
+    assert len(spy) == 1 and not spy[0]["activation"].interleaved
+    assert eager.abs().max() > 0
+    assert relative_error(ours, eager) <= TOL
+
+
+@pytest.mark.parametrize(
+    "act_fn",
+    [lambda: torch.nn.GELU(approximate="tanh"), lambda: transformers.activations.NewGELUActivation()],
+    ids=["nn_GELU_tanh", "NewGELUActivation"],
+)
+def test_tanh_gelu_act_fns_map_to_gelu_tanh(act_fn, spy):
+    """torch.nn.GELU(approximate="tanh") (class name GELU, told apart by its approximate attribute) and
+    transformers' NewGELUActivation (gelu_new: the tanh formula) are the tanh-approximated GELU: moe_ops
+    must run gelu_tanh, not exact (erf) gelu, matching the experts' eager forward. Catches dropping the
+    approximate == "tanh" check and mapping NewGELUActivation to "gelu". The two GELUs differ by at most
+    ~2e-4 relative (gate pre-activations ~N(0, 0.8^2), where they differ most), so the comparison uses the
+    float32 tolerance itself (1e-5), not TOL, and checks on eager that exact GELU falls outside it."""
+    experts = _mixtral_experts(seed=10)
+    experts.act_fn = act_fn()
+    with torch.no_grad():
+        experts.gate_up_proj.mul_(2)  # gate pre-activations ~N(0, 0.8^2)
+    assert INTEGRATION.experts_activation(experts) == moe_ops.Activation("gelu_tanh")
+    inputs = _routing(11)
+    eager, ours = _eager_and_ours(experts, *inputs)
+    assert len(spy) == 1 and spy[0]["activation"].kind == "gelu_tanh"
+    tight = tolerance(torch.float32)
+    assert relative_error(ours, eager) <= tight
+    # the test can tell the two GELUs apart: exact GELU in eager gives a result well outside the tolerance
+    experts.act_fn = torch.nn.GELU()
+    assert relative_error(_eager_and_ours(experts, *inputs)[0], eager) > 5 * tight
+
+
+def test_gate_and_activation_mismatch_is_refused_by_name():
+    """relu2 is moe_ops' only activation without a gate: gated experts (has_gate) holding relu2, or
+    ungated ones (NemotronH's has_gate=False experts) holding a gated activation such as silu, have no
+    moe_ops equivalent and raise NotImplementedError naming the class, the activation and has_gate,
+    instead of running a layout that does not match the weights."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    gated = _mixtral_experts()
+    gated.act_fn = transformers.activations.ACT2FN["relu2"]
+    with pytest.raises(NotImplementedError, match=r"MixtralExperts: activation relu2 with has_gate=True is not supported"):
+        INTEGRATION.experts_activation(gated)
+    cfg = transformers.NemotronHConfig(hidden_size=16, moe_intermediate_size=8, n_routed_experts=4, mlp_hidden_act="relu2")
+    ungated = NemotronHExperts(cfg)
+    assert not ungated.has_gate
+    assert INTEGRATION.experts_activation(ungated) == moe_ops.Activation("relu2")  # the supported pairing
+    ungated.act_fn = transformers.activations.ACT2FN["silu"]
+    with pytest.raises(NotImplementedError, match=r"NemotronHExperts: activation silu with has_gate=False is not supported"):
+        INTEGRATION.experts_activation(ungated)
+
+
+@pytest.mark.parametrize(
+    "hidden_dtype, experts_dtype",
+    [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.bfloat16)],
+    ids=["bf16_hidden_f32_experts", "f16_hidden_f32_experts", "f32_hidden_bf16_experts"],
+)
+def test_output_dtype_is_the_hidden_states_dtype(hidden_dtype, experts_dtype, spy):
+    """moe_ops computes in the experts' dtype (hidden_states are cast to it) and must cast the result back:
+    the experts module returns hidden_states' dtype, as transformers' callers (residual adds) expect.
+    Catches returning fused_experts' output uncast (then in the experts' dtype). The values match the eager
+    forward of a float32 copy of the same (rounded) weights and inputs within the lower precision's
+    tolerance."""
+    experts = _mixtral_experts(seed=12)
+    low = hidden_dtype if hidden_dtype != torch.float32 else experts_dtype
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(p.to(low).float())  # representable in both dtypes: only the computation differs
+    hidden, ids, weights = _routing(13, dtype=low)
+    experts.config._experts_implementation = "eager"
+    with torch.no_grad():
+        eager = experts(hidden.float(), ids, weights)
+    experts.to(experts_dtype)
+    experts.config._experts_implementation = "moe_ops"
+    with torch.no_grad():
+        ours = experts(hidden.to(hidden_dtype), ids, weights)
+    assert len(spy) == 1
+    assert ours.dtype == hidden_dtype
+    assert eager.abs().max() > 0
+    assert relative_error(ours, eager) <= tolerance(low)
