@@ -233,6 +233,35 @@ HAND_QUANTIZED = {
 }
 
 
+def _one_layer_verdict(model, fusable: bool) -> str | None:
+    """Compile a one-layer model over TOKENS (one graph; every output, a tensor or a tuple that may hold
+    None, close to eager), then check the pass and explain() agree on its verdict: fused into gate_up +
+    down_reduce with no primitive op left, or left unfused with both GEMMs in place. Returns the
+    unfused layer's reason (None when fused)."""
+    batches = [inputs(128, 4, torch.float32, m) for m in TOKENS]
+    refs = eager(model, batches)
+    outs, graphs, seen = run_compiled(model, batches)
+    assert graphs == 1
+    for out, ref in zip(outs, refs):
+        for o, r in zip(*((out, ref) if isinstance(ref, tuple) else ((out,), (ref,)))):
+            assert (o is None) == (r is None)
+            if r is not None:
+                assert_close_to_eager(o, r, torch.float32)
+    _, report, targets = seen[0]
+    (row,) = lowering.explain(model, *inputs(128, 4, torch.float32)).layers
+    if fusable:
+        assert len(report.fused) == 1 and report.unfused == [] and targets.count(GATE_UP) == 1
+        assert targets.count(DOWN_REDUCE) == 1 and not PRIMITIVES & set(targets)
+        assert row.fused == "gate_up + down_reduce"
+        return None
+    assert report.fused == [] and len(report.unfused) == 1
+    assert GATE_UP not in targets and DOWN_REDUCE not in targets
+    assert targets.count(torch.ops.moe_ops.grouped_gemm.default) == 2
+    reason = report.unfused[0].reason
+    assert row.fused == "not fused" and reason in row.backend
+    return reason
+
+
 @pytest.mark.parametrize("name", list(HAND_QUANTIZED))
 def test_quantize_recipe_must_match_the_first_gemms(name):
     """gate_up quantizes x with GEMM1's recipe (a_dtype, a_group, a_global_scale). A chain whose
@@ -243,24 +272,9 @@ def test_quantize_recipe_must_match_the_first_gemms(name):
     if scales is not None:
         made_gs = formats.nvfp4_global_scale(torch.randn(16, 128)).reshape(1)
         gs = (made_gs, "made" if scales == "shared" else made_gs * (1.5 + torch.rand(1)))
-    model = cases.HandQuantized(made, read, *gs)
-    batches = [inputs(128, 4, torch.float32, m) for m in TOKENS]
-    refs = eager(model, batches)
-    outs, graphs, seen = run_compiled(model, batches)
-    assert graphs == 1
-    for out, ref in zip(outs, refs):
-        assert_close_to_eager(out, ref, torch.float32)
-    _, report, targets = seen[0]
-    explained = lowering.explain(model, *inputs(128, 4, torch.float32))
-    (row,) = explained.layers
-    if fusable:
-        assert len(report.fused) == 1 and report.unfused == [] and targets.count(GATE_UP) == 1
-        assert row.fused == "gate_up + down_reduce"
-    else:
-        assert report.fused == [] and len(report.unfused) == 1 and GATE_UP not in targets
-        reason = report.unfused[0].reason
+    reason = _one_layer_verdict(cases.HandQuantized(made, read, *gs), fusable)
+    if not fusable:
         assert ("global scale" in reason) if scales == "other" else (f"made it as {made[0]} {made[1]}" in reason)
-        assert row.fused == "not fused" and reason in row.backend
 
 
 class TwoPlans(nn.Module):
@@ -299,23 +313,9 @@ def test_chain_over_two_routing_plans_is_not_fused(other):
     one plan is fused). Removing that check in lowering/chains.py passed every other test: each such
     chain was fused, and the one whose reduction read the other plan (down_reduce reduces with GEMM2's
     offsets) compiled to an output far from eager (relative error 0.47 to 0.74 in the runs tried)."""
-    model = TwoPlans(other)
-    batches = [inputs(128, 4, torch.float32, m) for m in TOKENS]
-    refs = eager(model, batches)
-    outs, graphs, seen = run_compiled(model, batches)
-    assert graphs == 1
-    for out, ref in zip(outs, refs):
-        assert_close_to_eager(out, ref, torch.float32)
-    _, report, targets = seen[0]
-    (row,) = lowering.explain(model, *inputs(128, 4, torch.float32)).layers
-    if other is None:
-        assert len(report.fused) == 1 and report.unfused == [] and targets.count(GATE_UP) == 1
-        assert row.fused == "gate_up + down_reduce"
-    else:
-        assert report.fused == [] and len(report.unfused) == 1 and GATE_UP not in targets
-        reason = report.unfused[0].reason
+    reason = _one_layer_verdict(TwoPlans(other), other is None)
+    if other is not None:
         assert "different expert_offsets" in reason
-        assert row.fused == "not fused" and reason in row.backend
 
 
 class NearMiss(nn.Module):
@@ -405,31 +405,11 @@ def test_near_miss_chain_is_not_fused(miss):
     quantize calls. It is left unfused, explain() gives the reason, and compiled equals eager; the same chain without the near miss is fused. With a
     second-user check removed, the compiled output can still be right (the old nodes stay alive for the
     other user), so "not fused, and why" is what tells."""
-    model = NearMiss(miss)
-    batches = [inputs(128, 4, torch.float32, m) for m in TOKENS]
-    refs = eager(model, batches)
     if miss == "x_quantize_read_again":
         inductor_config.post_grad_custom_post_pass = _read_again  # for explain() too; the fixture restores it
-    outs, graphs, seen = run_compiled(model, batches)
-    assert graphs == 1
-    for (out, other), (ref, ref_other) in zip(outs, refs):
-        assert_close_to_eager(out, ref, torch.float32)
-        assert (other is None) == (ref_other is None)
-        if ref_other is not None:
-            assert_close_to_eager(other, ref_other, torch.float32)
-    _, report, targets = seen[0]
-    (row,) = lowering.explain(model, *inputs(128, 4, torch.float32)).layers
-    if NEAR_MISSES[miss] is None:
-        assert len(report.fused) == 1 and report.unfused == [] and targets.count(GATE_UP) == 1
-        assert targets.count(DOWN_REDUCE) == 1 and not PRIMITIVES & set(targets)
-        assert row.fused == "gate_up + down_reduce"
-    else:
-        assert report.fused == [] and len(report.unfused) == 1
-        assert GATE_UP not in targets and DOWN_REDUCE not in targets
-        assert targets.count(torch.ops.moe_ops.grouped_gemm.default) == 2
-        reason = report.unfused[0].reason
+    reason = _one_layer_verdict(NearMiss(miss), NEAR_MISSES[miss] is None)
+    if NEAR_MISSES[miss] is not None:
         assert NEAR_MISSES[miss] in reason
-        assert row.fused == "not fused" and reason in row.backend
 
 
 @pytest.mark.parametrize("fused_first", [False, True])
