@@ -1006,3 +1006,23 @@ def test_fused_ops_equal_primitive_composition(recipe, m):
     err = relative_error(out, ref)
     assert err <= tol, f"relative error {err} > {tol} against moe_float64"
     assert torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize("activation, interleaved, layout", [("silu", False, "concat"), ("swigluoai", True, "interleaved"), ("relu2", False, "none")])
+def test_kernel_call_gets_the_gate_layout_and_width_of_its_activation(monkeypatch, activation, interleaved, layout):
+    """What the backend hands the CuTe DSL kernel for each activation: the gate layout (interleaved rows
+    for gpt-oss, halves otherwise, none for relu2) and, in the recipe the kernel choice reads, the
+    intermediate width (N / 2 gated, N for relu2). A backend that always said "concat", or halved
+    relu2's width, passed every CPU test (only the GPU tests would have seen the wrong output)."""
+    from cute_kernels import interface
+    from lowering import backend
+
+    args = _meta_gate_up_args()
+    args.update(activation=activation, interleaved=interleaved)
+    if activation == "relu2":
+        args["w"] = torch.empty(4, 128, 128, dtype=torch.bfloat16, device="meta")
+    calls = []
+    monkeypatch.setattr(interface, "gate_up", lambda *a, **kw: calls.append(kw) or a[0].new_empty(0))
+    backend._run_gate_up(args)
+    assert calls[0]["gate_layout"] == layout
+    assert backend.gate_up_recipe(args)["intermediate"] == args["w"].shape[1] // (1 if activation == "relu2" else 2)
