@@ -531,8 +531,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     "scheme", [FP8_W8A16, INT4_ZP, NVFP4, NVFP4_W4A4], ids=["fp8_w8a16", "int4_zero_point", "nvfp4_w4a16", "nvfp4_w4a4"]
 )
 def test_dtype_conversion_keeps_quantized_storage(scheme, convert, dtype):
-    """.to(dtype) / .half() convert the router and the biases, never the quantized weights nor their
-    scales, global scales and zero points (fp8 storage and scales count as floating point)."""
+    """.to(dtype) / .half() convert the router and the expert biases, never the quantized weights nor
+    their scales, global scales and zero points (fp8 storage and scales count as floating point), nor
+    the correction bias, which stays float32 (test_dtype_conversion_keeps_the_correction_bias_float32)."""
     # top_k = E: the output does not hinge on which experts the lower-precision logits pick.
     layer = _layer(quant_config=scheme, top_k=E, expert_bias=True, correction_bias=True)
     x = torch.randn(16, H)
@@ -543,8 +544,9 @@ def test_dtype_conversion_keeps_quantized_storage(scheme, convert, dtype):
     for name, b in converted.named_buffers():
         assert b.dtype == before[name].dtype, f"{name}: {before[name].dtype} became {b.dtype}"
         assert torch.equal(_bits(b), _bits(before[name])), f"{name} changed"
-    for name in ("router.weight", "w13_bias", "w2_bias", "e_score_correction_bias"):
+    for name in ("router.weight", "w13_bias", "w2_bias"):
         assert converted.get_parameter(name).dtype == dtype
+    assert converted.e_score_correction_bias.dtype == torch.float32
     assert converted.quant_config().w13_scale is converted.w13_scale  # the config follows the buffers
     out = _forward(converted, x.to(dtype))
     assert out.dtype == dtype
