@@ -788,6 +788,10 @@ def test_compiled_out_of_range_ids_contribute_nothing(compiled_fused):
 def test_compiled_out_of_range_expert_map_values_contribute_nothing(compiled_fused):
     kw = _inputs()
     x, w13, w2, tw, ids = (kw[n] for n in ("hidden_states", "w13", "w2", "topk_weights", "topk_ids"))
+    # Token 0 goes to expert 2 for sure, with a weight that matters (random routing missed it 1.6% of runs).
+    ids, tw = ids.clone(), tw.clone()
+    ids[0] = torch.tensor([2, 3], dtype=ids.dtype)
+    tw[0, 0] = 0.7
     bad_map = torch.tensor([0, 1, 7, 3], dtype=torch.int32)  # 7 is no local expert
     with pytest.raises(ValueError, match=r"expert_map: value 7 is outside \[-1, 4\)"):
         _fused(x, w13, w2, tw, ids, bad_map)
