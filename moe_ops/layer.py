@@ -323,15 +323,15 @@ class FusedMoE(nn.Module):
                 t = stacked[which, kind][1] if (which, kind) in stacked else self._stack(per_expert, which, kind, parts[which], shape)
                 if t is None:
                     continue
-                swap = transposed and kind == "weight" and (which, kind) in stacked
-                want = (shape[0], shape[2], shape[1]) if swap else shape  # the shape as the checkpoint stores it
+                # A stacked weight has two layouts; `want` is the one the caller said the checkpoint uses.
+                layouts = {False: shape, True: (shape[0], shape[2], shape[1])} if kind == "weight" and (which, kind) in stacked else None
+                want = layouts[transposed] if layouts else shape
                 if tuple(t.shape) != want:
                     # A weight in the other layout (not square) is the likely mistake: say so.
-                    flipped = shape if swap else (shape[0], shape[2], shape[1]) if kind == "weight" else None
-                    other = (which, kind) in stacked and tuple(t.shape) == flipped
+                    other = layouts is not None and tuple(t.shape) == layouts[not transposed]
                     hint = f" (the {'untransposed' if transposed else 'transposed'} layout: pass transposed={not transposed})" if other else ""
                     raise ValueError(f"weights[{which}{'_bias' if kind == 'bias' else ''}]: expected shape {want}, got {tuple(t.shape)}{hint}")
-                if swap:
+                if layouts and transposed:
                     t = t.transpose(1, 2)
                 new[which, kind] = t
         for name, dest, src in copies.values():
