@@ -405,3 +405,23 @@ def test_empty_load_with_calibration_calibrates():
     x = 5 * torch.randn(16, H, generator=generator(19))
     layer.load_weights({}, calibration=x)
     assert torch.allclose(layer.a13_scale.double(), x.double().abs().max() / RANGE["fp8"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(STATIC))
+def test_all_zero_calibration_keeps_a_positive_scale(name):
+    """Samples that are all zero (say, padding tokens only) have an amax of 0; a scale of 0 would divide
+    every later token by zero (NaN or inf outputs everywhere). The amax is floored at 1e-6 instead, so
+    the scale is positive, zero tokens still give exact zeros and other tokens saturate finitely (int8,
+    with no subnormals, then rounds GEMM2's tiny inputs to 0)."""
+    scheme = STATIC[name]
+    layer = _layer(scheme)
+    w13, w2 = _float_experts(seed=31)
+    layer.load_weights({"w13": w13, "w2": w2}, calibration=torch.zeros(4, H))
+    for scale in _act_scales(layer):
+        assert torch.equal(scale, torch.full((1,), 1e-6 / RANGE[scheme.activation.dtype]))
+    x = torch.randn(6, H, generator=generator(32))
+    x[0] = 0
+    with torch.no_grad():
+        out = layer(x)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[0], torch.zeros(H))

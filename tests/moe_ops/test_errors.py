@@ -416,6 +416,10 @@ BAD_VOCAB = [
     ("act_group_type", lambda: ActivationQuant("fp8", (1, -1)), TypeError, r"ActivationQuant.group: expected a GroupShape, got tuple"),
     ("act_int8_groups", lambda: ActivationQuant("int8", GroupShape(1, 128)), ValueError,
      r"ActivationQuant.group: 1x128 is not a int8 group shape; allowed kinds: per-tensor, per-row"),
+    # a 1x1 "group" (a scale per element) is no group along K: it is refused, not taken as 1xG
+    ("act_fp8_1x1", lambda: ActivationQuant("fp8", GroupShape(1, 1)), ValueError,
+     r"ActivationQuant.group: 1x1 is not a fp8 group shape; allowed kinds: per-tensor, per-row, 1xG"),
+    ("weight_int4_1x1", lambda: WeightQuant("int4", GroupShape(1, 1)), ValueError, r"WeightQuant.group: 1x1 is not a int4 group shape"),
     ("act_nvfp4_group", lambda: ActivationQuant("nvfp4", GroupShape(1, 32)), ValueError,
      r"ActivationQuant.group: nvfp4 uses groups of 1x16, got 1x32"),
     ("act_static_per_token", lambda: ActivationQuant("fp8", PER_TOKEN, static=True), ValueError,

@@ -371,6 +371,8 @@ def test_load_missing_expert_list_is_truncated():
     "name",
     [
         "model.layers.0.mlp.shared_expert.down_proj.weight",
+        "model.layers.0.mlp.shared_experts.0.gate_proj.weight",  # not routed expert 0: "experts" is a whole name part
+        "model.layers.0.mlp.fc_w2",  # not the stacked w2: a stacked name is a whole name part too
         "model.layers.0.mlp.gate_proj.weight",
         "model.layers.0.mlp.experts.0.gate_proj.scale",
         "model.layers.0.mlp.experts.x.up_proj.weight",
@@ -670,16 +672,22 @@ def _per_expert(parts, names=(("gate", "gate_proj"), ("up", "up_proj"), ("down",
 
 def test_per_expert_gate_and_up_are_interleaved_for_an_interleaved_activation():
     """Per-expert gate_proj / up_proj rows go to w13 as gate_0, up_0, gate_1, ... when the activation
-    reads them interleaved (they were concatenated: a relative error of 1.25 against float64)."""
-    layer = _layer(activation=moe_ops.Activation("silu", interleaved=True))
+    reads them interleaved (they were concatenated: a relative error of 1.25 against float64), and so do
+    their biases, which must land beside their rows."""
+    layer = _layer(activation=moe_ops.Activation("silu", interleaved=True), expert_bias=True)
     parts = _expert_tensors(seed=21)
-    layer.load_weights(_per_expert(parts))
+    g = generator(23)
+    biases = {p: list(torch.randn(E, I if p != "down" else H, generator=g)) for p in ("gate", "up", "down")}
+    layer.load_weights({**_per_expert(parts), **_per_expert(biases, kind="bias")})
     for e in range(E):
         assert torch.equal(layer.w13[e, 0::2], parts["gate"][e]) and torch.equal(layer.w13[e, 1::2], parts["up"][e])
+        assert torch.equal(layer.w13_bias[e, 0::2], biases["gate"][e]) and torch.equal(layer.w13_bias[e, 1::2], biases["up"][e])
     x = torch.randn(9, H)
     tw, ti = layer.routing_for(x)
     concat13, w2 = _stacked(parts)  # the same experts in the concatenated layout, through the float64 reference
-    want = moe_float64(x, concat13.double(), w2.double(), tw, ti, activation="silu")
+    b13 = torch.stack([torch.cat([biases["gate"][e], biases["up"][e]]) for e in range(E)])
+    b2 = torch.stack(biases["down"])
+    want = moe_float64(x, concat13.double(), w2.double(), tw, ti, activation="silu", w13_bias=b13, w2_bias=b2)
     assert relative_error(_forward(layer, x), want) <= F32_TOL
 
 

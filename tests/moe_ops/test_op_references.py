@@ -204,3 +204,32 @@ def test_activation(kind, interleaved, dtype):
     else:
         g, u = x64[:, : width // 2], x64[:, width // 2 :]
     assert_close(out, EXPECTED_ACTIVATION[kind](g, u, alpha, limit), dtype)
+
+
+@pytest.mark.parametrize("kind,interleaved", ACT_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_activation_is_rounded_once(kind, interleaved, dtype):
+    """The op computes a half-precision input in float32 and rounds only the result, so every element is
+    within half a unit in the last place (plus float32's own error) of the float64 value. Computing in
+    the input dtype rounds the gate's nonlinearity and the product separately: up to about one ulp off,
+    an error RTOL's looser bound above does not see."""
+    alpha, limit = 1.702, 7.0
+    x = (torch.randn(64, 256) * 3).to(dtype)
+    out = OPS.activation(x, kind, alpha, limit, interleaved).double()
+    x64 = x.double()
+    if kind == "relu2":
+        g, u = x64, None
+    elif interleaved:
+        g, u = x64[:, 0::2], x64[:, 1::2]
+    else:
+        g, u = x64.chunk(2, dim=1)
+    want = EXPECTED_ACTIVATION[kind](g, u, alpha, limit)
+    finfo = torch.finfo(dtype)
+    # half an ulp of want's binade [2**(e-1), 2**e) (frexp: want = m * 2**e, 0.5 <= |m| < 1), floored at half the
+    # subnormal step
+    half_ulp = torch.ldexp(torch.full_like(want, finfo.eps), torch.frexp(want).exponent - 2)
+    half_ulp = half_ulp.clamp(min=finfo.smallest_normal * finfo.eps / 2)
+    err = (out - want).abs()
+    # float32's own error: relative to the result, or to |gate| * |up| where GELU's 1 + erf(gate) cancels
+    f32 = 1e-6 * (want.abs() + (g.abs() * (1 + u.abs()) if u is not None else 0))
+    assert (err <= half_ulp + f32).all(), f"max error {((err - f32) / half_ulp).max():.3f} half-ulps"

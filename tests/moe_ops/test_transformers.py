@@ -465,3 +465,17 @@ def test_output_dtype_is_the_hidden_states_dtype(hidden_dtype, experts_dtype, sp
     assert ours.dtype == hidden_dtype
     assert eager.abs().max() > 0
     assert relative_error(ours, eager) <= tolerance(low)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16])
+def test_router_weights_in_a_half_dtype_are_taken(weight_dtype, spy):
+    """Models hand the experts their routing weights cast to the hidden dtype (Mixtral's router does
+    `.to(hidden_states.dtype)`), while moe_ops' fused_experts takes float32 weights only: the
+    integration must widen them, not fail with a TypeError. The result equals the eager forward of
+    the same (rounded) weights."""
+    experts = _mixtral_experts(seed=14)
+    hidden, ids, weights = _routing(15)
+    eager, ours = _eager_and_ours(experts, hidden, ids, weights.to(weight_dtype))
+    assert len(spy) == 1
+    assert eager.abs().max() > 0
+    assert relative_error(ours, eager) <= TOL
