@@ -1,0 +1,126 @@
+"""The kernel caches (cute_kernels/compile.py): a key names one compiled kernel in memory and on disk, so
+every variant that compiles to different code needs its own key, and a kernel's name on disk must change
+with the package's sources. A shared key or a stale disk name serves another kernel without any error
+(one built for another grid, bias dtype, token dtype or launch order, or from older sources). Nothing
+here compiles: cc.get, or the compiler and the object-file export under it, are stubbed."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+# Before the DSL's first import: it fixes its target then.
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+pytest.importorskip("cutlass")
+
+from cute_kernels import compile as cc  # noqa: E402
+from cute_kernels import interface  # noqa: E402
+
+BIASES = {torch.bfloat16: (None, torch.bfloat16, torch.float32), torch.float16: (None, torch.float16, torch.float32)}
+
+
+@pytest.fixture
+def keys(monkeypatch) -> list[str]:
+    """The keys interface asks cc.get for, in order (nothing is built or compiled)."""
+    asked = []
+
+    def get(key, build):
+        asked.append(key)
+        return lambda *args: None
+
+    monkeypatch.setattr(cc, "get", get)
+    return asked
+
+
+def _precompile(keys: list[str], dtype, sms: int) -> list[str]:
+    """The keys precompile asks for: one per variants() entry, then the token sum's."""
+    keys.clear()
+    interface.precompile(dtype, sms=sms, bias_dtypes=BIASES[dtype])
+    return list(keys)
+
+
+@pytest.mark.parametrize("dtype", list(BIASES))
+def test_every_variant_has_its_own_key(keys, dtype):
+    # The variants differ in compiled code: GEMM2 with and without early weights (loads before or
+    # after the previous kernel's writes), a bf16 or f32 bias (read as its own dtype). A key shared by
+    # two of them serves whichever compiled first to both.
+    got = _precompile(keys, dtype, 132)
+    gemm, token_sum = got[:-1], got[-1]
+    assert len(gemm) == len(interface.variants(dtype, BIASES[dtype]))
+    assert len(set(gemm)) == len(gemm), sorted(k for k in gemm if gemm.count(k) > 1)
+    assert token_sum not in gemm
+
+
+def test_keys_name_the_sm_count(keys):
+    # The persistent GEMM is compiled for a grid of one CTA per SM: a disk cache shared by GPUs with
+    # 132 and 114 SMs (H100 SXM and PCIe) must not hand one's kernel to the other.
+    h100_sxm = _precompile(keys, torch.bfloat16, 132)[:-1]
+    h100_pcie = _precompile(keys, torch.bfloat16, 114)[:-1]
+    assert not set(h100_sxm) & set(h100_pcie)
+
+
+def test_keys_name_the_activation_dtype(keys):
+    # fp16 and bf16 kernels read the same bytes differently, the token sum too.
+    bf16 = _precompile(keys, torch.bfloat16, 132)
+    fp16 = _precompile(keys, torch.float16, 132)
+    assert not set(bf16) & set(fp16)
+    assert bf16[-1] != fp16[-1]  # the token sums'
+
+
+def test_source_hash_covers_every_source():
+    # Editing any file of the package (the kernels in moe_gemm.py and token_sum.py, the argument
+    # layout in interface.py) must invalidate the disk cache, so the hash reads all of them.
+    package = Path(cc.__file__).parent
+    want = {name for name in os.listdir(package) if name.endswith(".py")}
+    assert {"moe_gemm.py", "token_sum.py", "interface.py", "compile.py"} <= want
+    assert {p.name for p in cc._SOURCES} == want
+    assert all(p.parent == package for p in cc._SOURCES)
+
+
+def test_source_hash_changes_with_any_source(tmp_path, monkeypatch):
+    # The hash over copies of the sources: the same as the package's for the same bytes, and a new one
+    # after a one-line edit of any of them.
+    copies = []
+    for path in cc._SOURCES:
+        copies.append(tmp_path / path.name)
+        shutil.copyfile(path, copies[-1])
+    monkeypatch.setattr(cc, "_SOURCES", copies)
+    assert cc._source_hash() == cc._SOURCE_HASH
+    seen = {cc._SOURCE_HASH}
+    for copy in copies:
+        original = copy.read_bytes()
+        copy.write_bytes(original + b"\n# edited\n")
+        edited = cc._source_hash()
+        assert edited not in seen, copy.name
+        seen.add(edited)
+        copy.write_bytes(original)
+    assert cc._source_hash() == cc._SOURCE_HASH
+
+
+def test_disk_cache_is_keyed_by_the_source_hash(tmp_path, monkeypatch):
+    # cc.get's own path from key to object file, with the compiler and the export stubbed: a kernel
+    # exported under one source hash loads from disk under the same hash only; after an edit of the
+    # sources (another hash) the same key compiles again instead of loading the old binary.
+    monkeypatch.setenv("MOE_OPS_CUTE_CACHE", str(tmp_path))
+    monkeypatch.setattr(cc, "_memory", {})
+    monkeypatch.setattr(cc, "timings", {})
+    monkeypatch.setattr(cc, "cute", SimpleNamespace(compile=lambda fn, *args, options: SimpleNamespace(built=fn)))
+    monkeypatch.setattr(cc, "_export", lambda fn, path, prefix: path.write_bytes(b""))
+    monkeypatch.setattr(cc, "load_module", lambda path: SimpleNamespace(**{Path(path).stem: SimpleNamespace(loaded=path)}))
+
+    def get(key: str, source_hash: str) -> str:
+        monkeypatch.setattr(cc, "_SOURCE_HASH", source_hash)
+        monkeypatch.setattr(cc, "_memory", {})  # a fresh process
+        cc.get(key, lambda: ("kernel", ()))
+        return cc.timings[key][0]
+
+    assert get("moe_gemm:k", "a" * 16) == "compile"
+    assert len(list(tmp_path.glob("*.o"))) == 1
+    assert get("moe_gemm:k", "a" * 16) == "disk"
+    assert get("moe_gemm:other", "a" * 16) == "compile"
+    assert get("moe_gemm:k", "b" * 16) == "compile"
+    assert len(list(tmp_path.glob("*.o"))) == 3
