@@ -1,17 +1,20 @@
 """interface.choose_tiles: every choice is a compiled variant, swapped tiles only where an expert's
 rows fit one of them in enough waves or, with a long K, where they stream the fewest weight rows on the
 busiest SM, and the few-waves rule fills the last wave. Below LONG_K (SHORT_K) the rule is the one
-before the split-K tile existed."""
+before the split-K tile existed. interface.variants, what precompile builds, holds every kernel the
+launchers can request."""
 from __future__ import annotations
 
 import math
 import random
 
 import pytest
+import torch
 
 pytest.importorskip("cutlass")
 
 from cute_kernels import interface  # noqa: E402
+from cute_kernels.moe_gemm import Epilogue  # noqa: E402
 from moe_ops.bench import SHAPES  # noqa: E402
 
 LAYOUTS = ("concat", "interleaved", "none")
@@ -194,3 +197,57 @@ def test_measured_split_k_choices():
     assert interface.choose_tiles("concat", 768, 16, 8, 128, 132, k_dim=2048) == interface.SWAP_TILE
     assert interface.choose_tiles("none", 2048, 16, 8, 128, 132, k_dim=768) == interface.SWAP_TILE
     assert interface.choose_tiles("none", 7168, 16, 8, 256, 132, k_dim=2048) == interface.SWAP_TILE
+
+
+def test_swapped_tiles_from_exactly_few_waves():
+    # Docstring: SWAP_TILE while an expert averages at most SWAP_ROWS rows and its tiles "fill at least
+    # FEW_WAVES waves". Here 16 rows per expert (M = 16, k = 8, E = 8) and concat's 64 output columns
+    # per swapped tile: n_out 2112 gives 8 x 33 = 264 tiles, exactly 2 waves on 132 SMs (swapped);
+    # 2048 gives 256, under 2 waves (the 64-row tiles).
+    assert 8 * math.ceil(2112 / 64) == interface.FEW_WAVES * 132
+    assert interface.choose_tiles("concat", 2112, 16, 8, 8, 132, k_dim=SHORT_K) == interface.SWAP_TILE
+    assert interface.choose_tiles("concat", 2048, 16, 8, 8, 132, k_dim=SHORT_K) == (64, 128)
+
+
+def test_full_tiles_from_exactly_64_rows_per_expert():
+    # Docstring: tile_m 64 "while an expert averages fewer than 64 rows (M*k/E < 64)", and the gated
+    # GEMM1's tile_n 256 "from 64 rows per expert on". At exactly 64 rows (M*k = 512, E = 8) both
+    # rules have switched: 128 x 256; one pair fewer still streams (64-row tiles; few waves, so 96).
+    assert interface.choose_tiles("concat", 64, 512, 1, 8, 132, k_dim=SHORT_K) == (128, 256)
+    assert interface.choose_tiles("concat", 64, 511, 1, 8, 132, k_dim=SHORT_K) == (64, 96)
+
+
+def test_tile_n_that_gives_exactly_two_waves_fits():
+    # Docstring: "the largest tile_n that still gives every SM two tiles", i.e. waves >= 2. With 8
+    # experts of 64 rows in 64-row tiles (M*k = 511, just under 64 per expert), n_out 4224 = 33 x 128
+    # makes 8 x 33 = 264 tiles of 128 columns, exactly two per SM on 132: 128 fits (and pads nothing,
+    # like 64). At n_out 4096 (32 x 128, 256 tiles) only 64 gives two waves.
+    assert 8 * (4224 // 128) == 2 * 132
+    assert interface.choose_tiles("none", 4224, 511, 1, 8, 132, k_dim=SHORT_K) == (64, 128)
+    assert interface.choose_tiles("none", 4096, 511, 1, 8, 132, k_dim=SHORT_K) == (64, 64)
+
+
+@pytest.mark.parametrize("bias", [None, torch.float32])
+def test_variants_cover_every_request(bias):
+    # precompile() compiles variants(), and test_compile checks each one's code: every kernel gate_up
+    # and down_reduce can ask for must be there (else it compiles inside a launch, unchecked). That is
+    # each activation with each gate layout gate_up_support accepts, gathered, with every tile of that
+    # layout; and GEMM2 with every "none" tile, with and without early weights.
+    dtype = torch.bfloat16
+    got = interface.variants(dtype, bias_dtypes=(bias,))
+    assert len(got) == len(set(got))
+    want = set()
+    for act in interface.ACTIVATIONS:
+        for layout in LAYOUTS:
+            ok, _ = interface.gate_up_support(
+                dtype=dtype, weight_dtype=dtype, activation=act, gate_layout=layout, has_bias=bias is not None,
+                hidden=128, intermediate=128, num_experts=8,
+            )  # fmt: skip
+            if ok:
+                epi = Epilogue(act, layout, has_bias=bias is not None)
+                want |= {(epi, True, bias or dtype, *tile, False) for tile in interface.tile_shapes(layout)}
+    gemm2 = Epilogue("none", "none", has_bias=bias is not None)
+    want |= {(gemm2, False, bias or dtype, *tile, early) for tile in interface.tile_shapes("none") for early in (True, False)}
+    assert {v[0].gate_layout for v in want} == set(LAYOUTS)
+    assert not want - set(got), sorted(map(str, want - set(got)))
+    assert not set(got) - want, sorted(map(str, set(got) - want))
