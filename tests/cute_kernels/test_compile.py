@@ -252,6 +252,55 @@ def test_expert_ids_hint():
         interface.gate_up(x, w[:, :255], None, offsets, gather, **kw)
 
 
+def test_expert_ids_hint_only_where_the_kernel_can_read_it():
+    """The hint's ids reach the kernel as a pointer declared 16-byte aligned, read one id per lane of
+    warp 0 (HINT_MAX_PAIRS): more ids, or ids off a 16-byte boundary, give no hint (count 0) instead of
+    unread ids or a misaligned pointer; the output never depends on the hint, so the call goes on."""
+    from cute_kernels.moe_gemm import HINT_MAX_PAIRS
+
+    x = torch.randn(1, 64)
+    n = HINT_MAX_PAIRS
+    ids = torch.arange(n + 1, dtype=torch.int32).view(1, n + 1)
+    gather = torch.zeros(n + 1, dtype=torch.int32)
+    assert interface._hint(x, gather[:n], ids[:, :n].contiguous())[1] == n
+    assert interface._hint(x, gather, ids)[1] == 0
+    for dtype in (torch.int32, torch.int64):
+        flat = torch.arange(5, dtype=dtype)
+        aligned, off = flat[:4].view(1, 4), flat[1:].view(1, 4)
+        assert aligned.data_ptr() % 16 == 0 and off.is_contiguous() and off.data_ptr() % 16 == dtype.itemsize
+        assert interface._hint(x, gather[:4], aligned)[1] == 4
+        assert interface._hint(x, gather[:4], off)[1] == 0
+
+
+def test_activation_and_gate_layout_must_agree():
+    """A gated activation reads [gate; up] halves or interleaved pairs, relu2 one part of N = I rows:
+    any other pairing is declined by gate_up_support with the reason (the lowering then runs the
+    reference), and an Epilogue built with it directly is refused before anything compiles."""
+    from cute_kernels.moe_gemm import Epilogue
+
+    common = dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16, has_bias=False, hidden=128, intermediate=128, num_experts=8)
+    for act, layout in (("silu", "none"), ("swigluoai", "none"), ("relu2", "concat"), ("relu2", "interleaved")):
+        assert interface.gate_up_support(activation=act, gate_layout=layout, **common) == (False, f"activation {act!r} with gate layout {layout!r}")
+        with pytest.raises(ValueError, match=f"Epilogue: activation {act!r} does not go with gate_layout {layout!r}"):
+            Epilogue(act, layout)
+    for act, layout in (("silu", "concat"), ("swigluoai", "interleaved"), ("relu2", "none")):
+        assert interface.gate_up_support(activation=act, gate_layout=layout, **common)[0]
+        Epilogue(act, layout)
+
+
+def test_gemm2_rows_by_tma_only_in_128_row_tiles():
+    """A by TMA only for GEMM2's contiguous rows in 128-row tiles: 64-row tiles (weight streaming) keep
+    cp.async with zero-filled rows (TMA there measured no faster, and 2 µs slower at qwen3 M = 1:
+    bench/NOTES.md v15), and GEMM1's gathered rows cannot be one TMA box. test_moe_gemm_variant checks
+    the code of whichever path the kernel takes, so the choice itself is pinned here."""
+    checked = set()
+    for _, epi, gather, _, tile_m, tile_n, early in VARIANTS:
+        kernel = MoeGemmSm90(epi, tile_m=tile_m, tile_n=tile_n, gather=gather, early_weights=early)
+        assert kernel.tma_a == (not gather and tile_m == 128), (epi, gather, tile_m, tile_n)
+        checked.add((gather, tile_m))
+    assert {(False, 128), (False, 64), (False, 16), (True, 64)} <= checked
+
+
 def _direct_args(op: str) -> dict:
     """Arguments of a valid direct call (E = 4, H = I = 128, M = 4, k = 2) as CPU tensors: the checks run
     before anything touches a GPU."""
@@ -280,6 +329,10 @@ BAD_DIRECT_CALLS = {
     "topk_weights_bf16": ("down_reduce", "topk_weights", lambda a: a["topk_weights"].bfloat16(), (TypeError, "topk_weights: dtype torch.bfloat16")),
     "inverse_short": ("down_reduce", "inverse", lambda a: a["inverse"][:7], (ValueError, r"inverse: shape \[7\]; expected \[8\]")),
     "intermediate_odd": ("down_reduce", "w", lambda a: torch.randn(4, 128, 96, dtype=torch.bfloat16), (ValueError, "intermediate=96")),
+    "w_other_device": ("gate_up", "w", lambda a: a["w"].to("meta"), (ValueError, "w: on meta, the other tensors on cpu")),
+    # A contiguous view 4 bytes into its buffer: the kernels declare every pointer 16-byte aligned.
+    "gather_misaligned": ("gate_up", "gather", lambda a: torch.cat([a["gather"][:1], a["gather"]])[1:],
+                          (ValueError, "gather: its address is 4 bytes past a 16-byte boundary")),
 }  # fmt: skip
 
 
