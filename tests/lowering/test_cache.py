@@ -99,10 +99,54 @@ def test_fx_graph_cache_hits_and_misses_when_the_pass_changes(tmp_path):
     assert Path(info["lowering_file"]).resolve().is_relative_to(same.resolve())
     assert_hit(info, counts)
 
-    changed = tmp_path / "changed"
-    shutil.copytree(ROOT / "lowering", changed / "lowering", ignore=shutil.ignore_patterns("__pycache__"))
-    with open(changed / "lowering" / "graph_pass.py", "a") as f:
-        f.write("\n# a harmless change: the pass's uuid, and so the cache key, must change with it\n")
-    info, counts = run_script(tmp_path, changed, ROOT)
-    assert Path(info["lowering_file"]).resolve().is_relative_to(changed.resolve())
-    assert_miss(info, counts)
+    # A change to the pass's own file, and one to the chain patterns it imports (chains.py): the
+    # cached graph was fused by the old code either way, so each must miss.
+    for name in ("graph_pass.py", "chains.py"):
+        changed = tmp_path / f"changed_{name[:-3]}"
+        shutil.copytree(ROOT / "lowering", changed / "lowering", ignore=shutil.ignore_patterns("__pycache__"))
+        with open(changed / "lowering" / name, "a") as f:
+            f.write("\n# a harmless change: the pass's uuid, and so the cache key, must change with it\n")
+        info, counts = run_script(tmp_path, changed, ROOT)
+        assert Path(info["lowering_file"]).resolve().is_relative_to(changed.resolve())
+        assert_miss(info, counts)
+
+
+UUID_SCRIPT = r'''
+import json
+from pathlib import Path
+
+from torch._inductor.custom_graph_pass import get_hash_for_files
+
+import lowering
+
+package = Path(lowering.__file__).parent
+moe_pass = lowering.MoEFusionPass()
+out = {"package": str(package), "base": moe_pass.uuid(), "after": {}}
+for path in sorted(package.glob("*.py")):
+    with open(path, "a") as f:
+        f.write("\n# edited\n")
+    get_hash_for_files.cache_clear()  # it caches the last hash by file names, not contents
+    out["after"][path.name] = moe_pass.uuid()
+print(json.dumps(out))
+'''
+
+
+def test_pass_uuid_changes_with_every_lowering_file(tmp_path):
+    """The pass's behaviour is the whole lowering package (chain patterns, fused ops, backend choice,
+    explain), so appending to any one of its files must give the pass a new uuid, or the FX graph cache
+    serves graphs fused by the old code. Each file is edited in turn in a copy of the package, in a
+    fresh process that imports the copy."""
+    copy = tmp_path / "copy"
+    shutil.copytree(ROOT / "lowering", copy / "lowering", ignore=shutil.ignore_patterns("__pycache__"))
+    script = tmp_path / "uuids.py"
+    script.write_text(UUID_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(copy), str(ROOT)])
+    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(out["package"]).resolve() == (copy / "lowering").resolve()
+    names = sorted(p.name for p in (ROOT / "lowering").glob("*.py"))
+    assert sorted(out["after"]) == names and "chains.py" in names
+    seen = [out["base"], *out["after"].values()]
+    assert len(set(seen)) == len(seen), f"an edit left the uuid unchanged: {out}"
