@@ -459,6 +459,20 @@ def test_weights_early_only_for_weights_made_before_gate_up(model, early):
     assert fused.down_reduce.args[-1] is early
 
 
+def test_weights_early_for_frozen_weights():
+    """With Inductor's freezing (inference under no_grad), a module's weights are constants, get_attr
+    nodes rather than graph inputs; they exist before gate_up runs just the same, so down_reduce keeps
+    its early weight loads (reading get_attr as 'made in the graph' lost them for every frozen model)."""
+    model, h, e, dtype = CASES["bf16_swiglu"]()
+    batches = [inputs(h, e, dtype, 9)]
+    with inductor_config.patch(freezing=True):
+        (out,), _, seen = run_compiled(model.eval(), batches)
+    assert_close_to_eager(out, eager(model, batches)[0], dtype)
+    (fused,) = seen[0][1].fused
+    assert fused.down_reduce.args[5].op == "get_attr"  # w2, frozen
+    assert fused.down_reduce.args[-1] is True
+
+
 class MappedExperts(cases.Experts):
     """4 local experts of 8 global ones (expert parallelism): topk_ids are global ids."""
 
@@ -758,19 +772,21 @@ def _off_boundary(t: torch.Tensor) -> torch.Tensor:
     return flat.view(t.shape)
 
 
-@pytest.mark.parametrize("op, name", [("gate_up", "x"), ("gate_up", "gather_idx"), ("down_reduce", "topk_weights"),
-                                      ("down_reduce", "inverse"), ("down_reduce", "a")])  # fmt: skip
+@pytest.mark.parametrize("op, name", [("gate_up", n) for n in ("x", "w", "bias", "expert_offsets", "gather_idx")]
+                         + [("down_reduce", n) for n in ("a", "w", "bias", "expert_offsets", "topk_weights", "inverse")])  # fmt: skip
 def test_kernels_decline_tensors_off_a_16_byte_boundary(monkeypatch, op, name):
     """The kernels declare every pointer 16-byte aligned; a contiguous view that starts elsewhere (a row
     slice of [M, 2] router weights) would fault the CUDA context. A call about to run with one gets the
     reference with the tensor named (a warning, or require_kernels' error); the recipe alone, all
-    explain() sees, still chooses the kernel."""
+    explain() sees, still chooses the kernel. Every tensor each op passes by pointer, biases included:
+    one left unchecked reaches cute_kernels.interface, which raises instead of falling back."""
     from cute_kernels import interface
     from lowering import backend
 
     monkeypatch.setattr(interface, "device_support", lambda device: (True, "a Hopper GPU"))
     monkeypatch.setattr(backend, "_WARNED", set())
     args = _cpu_copy(_meta_gate_up_args() if op == "gate_up" else _meta_down_reduce_args())
+    args["bias"] = torch.empty(args["w"].shape[:2], dtype=args["w"].dtype)  # [E, N], as the weights
     recipe = getattr(backend, f"{op}_recipe")(args)
     cuda = torch.device("cuda")
     assert backend._choose(op, recipe, cuda, backend._pointers(op, args)).backend == "cute"
