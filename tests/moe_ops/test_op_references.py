@@ -187,6 +187,14 @@ ACT_CASES = [(kind, inter) for kind in ("silu", "gelu", "gelu_tanh", "swigluoai"
 ACT_CASES.append(("relu2", False))
 
 
+def _gate_up64(x: torch.Tensor, kind: str, interleaved: bool):
+    """x [R, W] in float64 as (gate, up): [gate | up] halves or alternating columns; relu2: (x, None)."""
+    x64 = x.double()
+    if kind == "relu2":
+        return x64, None
+    return (x64[:, 0::2], x64[:, 1::2]) if interleaved else x64.chunk(2, dim=1)
+
+
 @pytest.mark.parametrize("kind,interleaved", ACT_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation(kind, interleaved, dtype):
@@ -196,13 +204,7 @@ def test_activation(kind, interleaved, dtype):
     alpha, limit = 0.5 + 2 * torch.rand(()).item(), 1 + 3 * torch.rand(()).item()
     x = (torch.randn(rows, width) * 3).to(dtype)
     out = OPS.activation(x, kind, alpha, limit, interleaved)
-    x64 = x.double()
-    if kind == "relu2":
-        g, u = x64, None
-    elif interleaved:
-        g, u = x64[:, 0::2], x64[:, 1::2]
-    else:
-        g, u = x64[:, : width // 2], x64[:, width // 2 :]
+    g, u = _gate_up64(x, kind, interleaved)
     assert_close(out, EXPECTED_ACTIVATION[kind](g, u, alpha, limit), dtype)
 
 
@@ -216,13 +218,7 @@ def test_half_activation_is_rounded_once(kind, interleaved, dtype):
     alpha, limit = 1.702, 7.0
     x = (torch.randn(64, 256) * 3).to(dtype)
     out = OPS.activation(x, kind, alpha, limit, interleaved).double()
-    x64 = x.double()
-    if kind == "relu2":
-        g, u = x64, None
-    elif interleaved:
-        g, u = x64[:, 0::2], x64[:, 1::2]
-    else:
-        g, u = x64.chunk(2, dim=1)
+    g, u = _gate_up64(x, kind, interleaved)
     want = EXPECTED_ACTIVATION[kind](g, u, alpha, limit)
     finfo = torch.finfo(dtype)
     # half an ulp of want's binade [2**(e-1), 2**e) (frexp: want = m * 2**e, 0.5 <= |m| < 1), floored at half the
