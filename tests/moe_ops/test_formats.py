@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from moe_ops.quant import formats
+from moe_ops.quant import GroupShape, WeightQuant, formats
 from moe_ops.quant.quantize import quantize
 
-from ..decoders import E2M1
+from ..decoders import E2M1, decode_e4m3, decode_weight, expand
 
 MAGNITUDES = E2M1[:8]
 
@@ -98,6 +98,15 @@ def test_e2m1_encode_ties_to_even():
     assert (codes & 1).eq(0).all(), "a tie rounded to an odd code"
 
 
+
+def test_e2m1_encode_nan_is_the_largest_magnitude():
+    """e2m1 has no NaN: a NaN encodes as magnitude 6 (code 7 or 15), as cvt.rn.satfinite.e2m1x2 gives
+    MAX_NORM for NaN, never as zero (which would pass a NaN off as a valid 0)."""
+    x = torch.full((5,), float("nan"))
+    x[1::2] = -float("nan")
+    codes = formats.e2m1_encode(x)
+    assert ((codes & 7) == 7).all(), codes.tolist()
+
 # ---- e8m0 ----------------------------------------------------------------------------------------
 
 
@@ -136,6 +145,14 @@ def test_e8m0_encode_rounds_up():
     assert (decoded >= s).all(), "e8m0 scale smaller than requested (x / scale would exceed the range)"
     assert (decoded < 2 * s).all(), "e8m0 scale not the smallest power of two >= the requested scale"
 
+
+
+def test_e8m0_encode_saturates_finite_scales_above_the_largest_power():
+    """e8m0's largest finite value is 2**127 (code 254); a finite scale above it (up to float32's max)
+    saturates there and never becomes the NaN code 255, which would turn a finite block into NaN."""
+    top = float(torch.finfo(torch.float32).max)
+    scale = torch.tensor([2.0**127, 2.0**127 * 1.0001, 2.0**127 * 1.5, top])
+    assert formats.e8m0_encode(scale).tolist() == [254] * 4
 
 # ---- quantizers ----------------------------------------------------------------------------------
 
@@ -213,6 +230,21 @@ def test_int4_quantize_error_bound(group_size, zero_point):
     assert ((deq - x.double()).abs() <= s * (0.5 + 1e-5)).all()
 
 
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["all_positive", "all_negative"])
+def test_int4_zero_point_range_holds_zero_for_one_signed_groups(sign):
+    """Groups whose values all share one sign: the zero-point range is [min(x, 0), max(x, 0)] (widened to
+    hold 0, so 0 has an exact code), hence scale max|x| / 15 and zero 0 (all positive) or 15 (all
+    negative), and every value within half a step; a range of [min, max] without 0 clipped whole groups."""
+    g = 32
+    x = sign * (torch.rand(2, 3, 4 * g) + 0.25)  # |x| in [0.25, 1.25): no group holds 0
+    packed, scale, zero = formats.quantize_int4(x, g, True)
+    amax = x.double().abs().view(2, 3, 4, g).amax(-1)
+    assert torch.allclose(scale.double(), amax / 15, rtol=1e-6, atol=0)
+    assert (zero == (0 if sign > 0 else 15)).all(), zero.tolist()
+    deq = decode_weight(packed, WeightQuant("int4", GroupShape(1, g), True), scale, None, zero)
+    assert ((deq - x.double()).abs() <= expand(scale.double(), (1, g), 3, 4 * g) * (0.5 + 1e-5)).all()
+
 def _e2m1_half_step(v):
     """Half the distance to the neighbouring e2m1 magnitude at |v| (scaled units)."""
     a = v.abs()
@@ -252,6 +284,20 @@ def test_nvfp4_quantize_error_bound():
     assert (v.abs() <= 6 * (1 + 2.0**-4) + 1e-6).all()
     assert ((deq - x.double()).abs() <= _e2m1_half_step(v) * full * (1 + 1e-6)).all()
 
+
+
+def test_nvfp4_one_global_scale_for_every_expert():
+    """A single global scale [1] for [E, R, C] weights (grouped_gemm takes one or one per expert) scales
+    every expert alike: decoded here from the codes, block scales and that one value."""
+    x = torch.randn(3, 5, 64) * torch.exp(torch.randn(3, 1, 1))
+    g = formats.nvfp4_global_scale(x)
+    assert g.numel() == 1
+    g = g.reshape(1)
+    packed, block = formats.quantize_nvfp4(x, g)
+    want = decode_weight(packed, WeightQuant("nvfp4", GroupShape(1, 16)), block, g)
+    assert torch.allclose(formats.dequantize(packed, "nvfp4", (1, 16), block, g).double(), want, rtol=1e-6, atol=0)
+    full = _expand(decode_e4m3(block), (1, 16), 5, 64) * g.double()
+    assert ((want - x.double()).abs() <= _e2m1_half_step(x.double() / full) * full * (1 + 1e-6)).all()
 
 def test_mxfp4_quantize_error_bound():
     x = torch.randn(2, 7, 96) * torch.exp(torch.randn(2, 7, 3) * 3).repeat_interleave(32, dim=-1)

@@ -57,6 +57,55 @@ def test_dtype_tolerances_stay_within_100_roundings():
         assert tol <= 100 * torch.finfo(dtype).eps, (dtype, tol)
 
 
+
+def test_relative_error_of_hand_built_cases():
+    """The checker's ||out - ref|| / ||ref||, on values worked out by hand: an error of 0.5 against a
+    reference of norm 5 is 0.1 (a shrunken measure would pass every check it serves); NaN in out is
+    NaN; two empty tensors are 0."""
+    ref = torch.tensor([[3.0, 0.0], [0.0, 4.0]])
+    assert relative_error(torch.tensor([[3.0, 0.3], [0.0, 3.6]]), ref) == pytest.approx(0.1, rel=1e-6)
+    assert relative_error(ref.bfloat16(), ref.double()) == 0.0
+    assert math.isnan(relative_error(torch.tensor([[3.0, float("nan")], [0.0, 4.0]]), ref))
+    assert relative_error(torch.zeros(0, 4), torch.zeros(0, 4)) == 0.0
+
+
+@pytest.mark.parametrize("fmt,group,static", [("fp8", (1, -1), False), ("int8", (1, -1), False),
+                                              ("int8_static", (-1, -1), True), ("nvfp4", (1, 16), False)])  # fmt: skip
+def test_fake_quant_tolerance_catches_a_reference_without_activation_quantization(fmt, group, static):
+    """A check whose reference re-applies activation quantization (fake_quant=True) must fail when the
+    reference leaves it out: the error quantization alone makes on random activations exceeds that
+    tolerance, while staying within the tolerance of checks that do not re-apply it."""
+    x = torch.randn(16, 128, dtype=torch.float64) * torch.exp(torch.randn(16, 1, dtype=torch.float64))
+    qfmt = fmt.removesuffix("_static")
+    scale = (x.abs().amax() / 127).reshape(1) if static else None
+    global_scale = (x.abs().amax() / (448 * 6)).reshape(1) if qfmt == "nvfp4" else None
+    err = relative_error(fake_quantize(x, qfmt, group, scale, global_scale), x)
+    assert tolerance(torch.float32, fmt, fake_quant=True) < err <= tolerance(torch.float32, fmt), err
+
+
+def test_moe_float64_rounds_where_a_bf16_layer_stores():
+    """With bf16 hidden states, intermediate_dtype=bf16 and the router weight applied on the input, the
+    checker rounds to bf16 where the layer stores: the weighted input, the GEMM1 output, the activation
+    output and the GEMM2 output; recomputed here step by step in float64 (one expert, so every token's
+    rows are multiplied in one product, as the checker does)."""
+    m, hidden, inter = 8, 32, 16
+    x = torch.randn(m, hidden).bfloat16()
+    w13 = (torch.randn(1, 2 * inter, hidden) / hidden**0.5).bfloat16()
+    w2 = (torch.randn(1, hidden, inter) / inter**0.5).bfloat16()
+    tw = torch.rand(m, 1)
+    ids = torch.zeros(m, 1, dtype=torch.int32)
+
+    def bf16(t):
+        return t.bfloat16().double()
+
+    xin = bf16(x.double() * tw.double())
+    h = bf16(xin @ w13[0].double().T)
+    gate, up = h.chunk(2, dim=1)
+    act = bf16(gate / (1 + torch.exp(-gate)) * up)
+    want = bf16(act @ w2[0].double().T)
+    got = moe_float64(x, w13, w2, tw, ids, apply_router_weight_on_input=True, intermediate_dtype=torch.bfloat16)
+    assert torch.equal(got, want)
+
 # ==== routing =====================================================================================
 
 # Elementwise relative tolerance of routing weights computed in float32 against float64. The table

@@ -267,6 +267,10 @@ BAD = {
     "gemm_nvfp4_global_per_row": (lambda: _gemm(w=torch.zeros(E, N, K // 2, dtype=torch.uint8), w_dtype="nvfp4", w_group=[1, 16],
                                                 w_scale=torch.ones(E, N, K // 16).to(torch.float8_e4m3fn), w_global_scale=torch.ones(3)),
                                   ValueError, r"w_global_scale: expected one value or one per expert \[4\], got shape \(3,\)"),
+    # An activation global scale of several values: the real impl failed in a reshape, the fake returned.
+    "gemm_nvfp4_a_global_per_row": (lambda: _gemm(a=torch.zeros(3, K // 2, dtype=torch.uint8), a_dtype="nvfp4", a_group=[1, 16],
+                                                  a_scale=torch.ones(3, K // 16).to(torch.float8_e4m3fn), a_global_scale=torch.ones(3)),
+                                    ValueError, r"a_global_scale: expected one value \[1\], got shape \(3,\)"),
     "gemm_zero_for_int8": (lambda: _gemm(w=torch.ones(E, N, K, dtype=torch.int8), w_dtype="int8", w_group=[1, -1],
                                          w_scale=torch.ones(E, N, 1), w_zero=torch.full((E, N, 1), 8, dtype=torch.uint8)),
                            ValueError, r"w_zero: zero points are for int4 weights only, got one for w_dtype='int8'"),

@@ -141,19 +141,38 @@ def test_grouped_gemm_out_of_range_gather_reads_nothing(bad):
     assert (out[bad_rows] == 0).all()
 
 
-def test_weighted_reduce_negative_inverse_contributes_nothing():
-    """A negative inverse entry (a hand-written plan) contributes nothing, as a row at or past
-    offsets[E] does; without the lower bound it read row 0."""
+@pytest.mark.parametrize("bad", [-1, "past_end"])
+def test_weighted_reduce_negative_inverse_contributes_nothing(bad):
+    """A negative inverse entry, or one past the last row of y (a hand-written plan; the op checks no
+    values), contributes nothing, as a row at or past offsets[E] does; without the lower bound it read
+    row 0, and an index of M*k must not read (or fault on) a row beyond y."""
     m, k, h = 4, 2, 24
     y = torch.randn(m * k, h)
     inverse = torch.randperm(m * k).to(torch.int32)
-    inverse[3] = -1
+    inverse[3] = m * k if bad == "past_end" else bad
     offsets = torch.tensor([0, 5, m * k], dtype=torch.int32)
     weights = torch.rand(m, k)
     out = OPS.weighted_reduce(y, weights, inverse, offsets)
-    contrib = y.double()[inverse.long().clamp(min=0)] * weights.double().reshape(-1, 1)
+    contrib = y.double()[inverse.long().clamp(0, m * k - 1)] * weights.double().reshape(-1, 1)
     contrib[3] = 0.0
     assert_close(out, contrib.view(m, k, h).sum(1), torch.float32)
+
+
+@pytest.mark.parametrize("k", [4, 32])
+def test_weighted_reduce_sums_in_choice_order(k):
+    """The docstring's order: float32 products added one choice at a time, j = 0, 1, ..., k-1, so the
+    result is bit for bit that sum (the deterministic order a kernel can match), not a tree or vectorised
+    reduction over j (which rounds differently from about k = 32 on)."""
+    m, h = 16, 96
+    y = torch.randn(m * k, h) * torch.exp(torch.randn(m * k, 1) * 3)  # magnitudes far apart: order matters
+    weights = torch.rand(m, k)
+    inverse = torch.randperm(m * k).to(torch.int32)
+    out = OPS.weighted_reduce(y, weights, inverse, torch.tensor([0, m * k], dtype=torch.int32))
+    products = (y[inverse.long()] * weights.reshape(-1, 1)).view(m, k, h)
+    want = products[:, 0].clone()
+    for j in range(1, k):
+        want += products[:, j]
+    assert torch.equal(out, want)
 
 
 # ---- activation ----------------------------------------------------------------------------------

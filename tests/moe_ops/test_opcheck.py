@@ -230,7 +230,10 @@ def test_weighted_reduce(m, k, dropped, dtype):
 
 # Arguments the real and fake quantize disagreed on (a static scale with a per-token group: real [1, 1],
 # fake [M, 1]) or crashed on (nvfp4 without its global scale): both impls now reject them alike.
-# name -> (dtype, group, static scale given, global scale given, the error both impls raise)
+# A static or global scale of several values (the fake impl took it; the real one failed in a reshape
+# with a bare RuntimeError) is rejected alike too.
+# name -> (dtype, group, values in the static scale, values in the global scale (0 / False: none),
+# the error both impls raise)
 BAD_QUANTIZE = {
     "static_scale_per_token": ("fp8", [1, -1], True, False, r"ActivationQuant.static: only per-tensor scales can be static, got group per-row"),
     "static_scale_1x128": ("fp8", [1, 128], True, False, r"ActivationQuant.static: only per-tensor scales can be static, got group 1x128"),
@@ -240,6 +243,8 @@ BAD_QUANTIZE = {
     "int8_1x32": ("int8", [1, 32], False, False, r"ActivationQuant.group: 1x32 is not a int8 group shape"),
     "unknown_dtype": ("int4", [1, -1], False, False, r"dtype: got 'int4'; allowed: 'fp8', 'int8', 'nvfp4'"),
     "nvfp4_odd_k": ("nvfp4", [1, 16], False, True, r"x: nvfp4 packs two values per byte; K must be even, got K=127"),
+    "static_scale_two_values": ("fp8", [-1, -1], 2, False, r"scale: a static scale is one per-tensor value, got shape \(2,\)"),
+    "nvfp4_global_scale_two_values": ("nvfp4", [1, 16], False, 2, r"global_scale: expected one value \[1\], got shape \(2,\)"),
 }  # fmt: skip
 
 
@@ -248,8 +253,8 @@ def test_quantize_rejects_bad_args_real_and_fake(case):
     fmt, group, static, with_global, match = BAD_QUANTIZE[case]
     m = int(torch.randint(2, 9, ()))
     x = torch.randn(m, 127 if case == "nvfp4_odd_k" else 128)
-    scale = torch.rand(1) * 0.02 + 0.005 if static else None
-    global_scale = torch.rand(1) * 0.01 + 1e-3 if with_global else None
+    scale = torch.rand(int(static)) * 0.02 + 0.005 if static else None
+    global_scale = torch.rand(int(with_global)) * 0.01 + 1e-3 if with_global else None
     with pytest.raises(ValueError, match=match):
         quantize(x, fmt, group, scale, global_scale)
     with FakeTensorMode() as mode, pytest.raises(ValueError, match=match):

@@ -259,6 +259,36 @@ def test_a_nan_correction_bias_makes_every_weight_nan():
     assert weights.isnan().all() and ((ids >= 0) & (ids < 6)).all()
 
 
+
+@pytest.mark.parametrize("factor", [0.25, 0.8, -1.5, 1.0])
+def test_routed_scaling_factor_multiplies_the_weights(factor):
+    """Every weight is multiplied by routed_scaling_factor, whatever its size or sign (a factor below 1
+    scales down; 1.0 leaves the weights as they are): Mixtral's float64 weights times the factor."""
+    num_experts, top_k = 16, 3
+    logits = grid_logits(24, num_experts, torch.float32)
+    weights, ids = moe_ops.route(logits, top_k, routed_scaling_factor=factor)
+    for r, row in enumerate(logits.double().tolist()):
+        want_ids, want_w = mixtral(row, top_k, None, dict(norm=True))
+        assert ids[r].tolist() == want_ids
+        for j, w in enumerate(want_w):
+            assert abs(weights[r, j].item() - factor * w) <= ROUTE_RTOL * abs(factor * w), (r, j, factor)
+
+
+def test_renormalized_zero_sigmoid_scores_are_nan():
+    """Renormalizing k sigmoid scores that are all exactly 0 (logits of -inf, or below about -104 in
+    float32) divides 0 by 0: the weights are NaN, as the module docstring states and vLLM's grouped_topk
+    gives, not a silent 0 from a guarded division. Rows with a positive score keep finite weights
+    summing to 1."""
+    logits = torch.randn(4, 8)
+    logits[1] = float("-inf")
+    logits[3] = -200.0
+    logits[3, 5] = -1.0  # one expert with a positive score: a defined row
+    weights, ids = moe_ops.route(logits, 2, scoring="sigmoid", renormalize=True)
+    assert weights[1].isnan().all() and ids[1].tolist() == [0, 1]
+    assert weights[[0, 2, 3]].isfinite().all()
+    assert torch.allclose(weights[[0, 2, 3]].sum(dim=1), torch.ones(3), rtol=ROUTE_RTOL, atol=0)
+    assert weights[3].tolist() == [1.0, 0.0] and ids[3, 0] == 5
+
 @pytest.mark.parametrize("value", [None, 1, "yes"], ids=["None", "int", "str"])
 def test_renormalize_must_be_a_bool(value):
     """None silently meant renormalize=False, and a str reached the op's schema check (RuntimeError)."""
