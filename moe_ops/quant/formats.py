@@ -9,7 +9,7 @@ dequantization multipliers: x ~= decode(q) * scale (* global_scale for nvfp4).
 | fp8    | float8_e4m3fn                       | float32                     |                                |
 | int8   | int8, symmetric                     | float32                     |                                |
 | int4   | uint8, 2 per byte, values 0..15     | float32/bf16/fp16           | zero points uint8 (else 8)     |
-| nvfp4  | uint8, 2 e2m1 per byte, groups 1x16 | float8_e4m3fn               | float32 global scale           |
+| nvfp4  | uint8, 2 e2m1 per byte, groups 1x16 | float8_e4m3fn (NaN: NaN/inf)| float32 global scale           |
 | mxfp4  | uint8, 2 e2m1 per byte, groups 1x32 | uint8 e8m0 (2**(b - 127))   | 0xFF = NaN (NaN/inf block)     |
 
 Packed formats hold element 2j in the low nibble and 2j+1 in the high nibble of byte j. e2m1 values are
@@ -208,11 +208,15 @@ def nvfp4_global_scale(x: torch.Tensor, dims=None) -> torch.Tensor:
 
 def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor):
     """nvfp4: e2m1 values in groups of 16 along the last dim with e4m3 group scales, times a float32
-    global scale (broadcast against [..., 1, 1]). Returns (packed uint8, scale float8_e4m3fn)."""
+    global scale (broadcast against [..., 1, 1]). Returns (packed uint8, scale float8_e4m3fn). A group
+    scale past e4m3's range saturates at 448 (the global scale clips); a group holding NaN or inf gets
+    the e4m3 NaN, so the whole group decodes to NaN, as fp8's and mxfp4's do. Saturating inf as well
+    would decode it as 6 * 448 * global and the rest of its group as ~0: a finite, wrong token."""
     group = (1, 16)
     rows, cols = x.shape[-2:]
     g = broadcast_global(global_scale, x)
-    block = (group_amax(x, group) / E2M1_MAX / g).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    amax = group_amax(x, group)
+    block = torch.where(amax.isinf(), float("nan"), (amax / E2M1_MAX / g).clamp(max=FP8_MAX)).to(torch.float8_e4m3fn)
     full = expand_groups(block.float(), group, rows, cols) * g
     safe = torch.where(full > 0, full, torch.ones_like(full))
     return pack_nibbles(e2m1_encode(x.float() / safe)), block

@@ -286,6 +286,29 @@ def test_nvfp4_quantize_error_bound():
 
 
 
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")], ids=["inf", "-inf", "nan"])
+def test_nvfp4_group_holding_a_non_finite_value_decodes_to_nan(bad):
+    """A 1x16 group holding NaN or inf gets the e4m3 NaN as its scale, so all of it decodes to NaN (as
+    fp8's codes and mxfp4's e8m0 NaN do); the other groups, of that row too, decode as they would
+    without it. A finite group past the global scale's range still saturates its scale at 448, and its
+    largest element decodes as 6 * 448 * global: clipping, not NaN. Saturating inf too gave the bad
+    group 6 * 448 * global and ~0 beside it, a finite token out of an undefined one."""
+    x = torch.randn(3, 48)
+    g = formats.nvfp4_global_scale(x).reshape(1)
+    x[2, 40] = 1e3 * x.abs().max()  # finite, past 448 * 6 * g
+    x[1, 20] = bad
+    packed, block = formats.quantize_nvfp4(x, g)
+    deq = formats.dequantize(packed, "nvfp4", (1, 16), block, g)
+    assert decode_e4m3(block)[1, 1].isnan() and deq[1, 16:32].isnan().all()
+    nan_free = x.clone()
+    nan_free[1, 16:32] = 0.0
+    p_ok, b_ok = formats.quantize_nvfp4(nan_free, g)
+    others = torch.ones(3, 48, dtype=torch.bool)
+    others[1, 16:32] = False
+    assert torch.equal(deq[others], formats.dequantize(p_ok, "nvfp4", (1, 16), b_ok, g)[others])
+    assert decode_e4m3(block)[2, 2] == 448 and deq[2, 40] == 6 * 448 * g[0]
+
+
 def test_nvfp4_one_global_scale_for_every_expert():
     """A single global scale [1] for [E, R, C] weights (grouped_gemm takes one or one per expert) scales
     every expert alike: decoded here from the codes, block scales and that one value."""
