@@ -76,6 +76,17 @@ BAD = {
     "gate_up_ids_pairs": (lambda: _gate_up(expert_ids=torch.zeros(M + 1, K_TOP, dtype=_I32)), ValueError,
                           r"expert_ids: expected the plan's topk_ids \[M, k\] with M\*k = 6 routed pairs, got shape \(4, 2\)"),
     "gate_up_int_out": (lambda: _gate_up(out_dtype=torch.int32), TypeError, r"out_dtype: got torch.int32"),
+    # The re-quantized intermediate is GEMM1's N / 2 wide for a gated activation: nvfp4 needs that width
+    # even (N = 30 is even, its half 15 is not).
+    "gate_up_nvfp4_odd_intermediate": (lambda: _gate_up(w=torch.randn(E, 30, H), bias=None, out_quant_dtype="nvfp4", out_quant_group=[1, 16],
+                                                        out_global_scale=torch.ones(1)), ValueError,
+                                       r"the intermediate: nvfp4 packs two values per byte; K must be even, got K=15"),
+    # Every tensor argument shares x's device, the re-quantization's static scale and the kernels' expert_ids
+    # hint included (the CPU reference never reads the hint, the kernels do).
+    "gate_up_meta_out_scale": (lambda: _gate_up(out_quant_dtype="fp8", out_scale=torch.ones(1, device="meta")), ValueError,
+                               r"out_scale: on meta, but x is on cpu"),
+    "gate_up_meta_expert_ids": (lambda: _gate_up(expert_ids=torch.zeros(M, K_TOP, dtype=_I32, device="meta")), ValueError,
+                                r"expert_ids: on meta, but x is on cpu"),
     "down_reduce_a_width": (lambda: _down_reduce(a=torch.randn(M * K_TOP, I + 1)), ValueError, r"a and w: K differs"),
     "down_reduce_a_rows": (lambda: _down_reduce(a=torch.randn(M * K_TOP + 1, I)), ValueError,
                            r"a \(7, 16\): expected M\*k=6 rows for topk_weights \(3, 2\), got 7"),
@@ -85,6 +96,8 @@ BAD = {
     "down_reduce_bias_width": (lambda: _down_reduce(bias=torch.randn(E, H + 1)), ValueError, r"bias: expected shape \(4, 32\)"),
     "down_reduce_int8_without_scale": (lambda: _down_reduce(a_dtype="int8", a=torch.ones(M * K_TOP, I, dtype=torch.int8)),
                                        ValueError, r"a_scale: 'int8' values need their scales, got None"),
+    "down_reduce_meta_weights": (lambda: _down_reduce(topk_weights=torch.rand(M, K_TOP, device="meta")), ValueError,
+                                 r"topk_weights: on meta, but a is on cpu"),
     "down_reduce_meta_inverse": (lambda: _down_reduce(inverse=torch.arange(M * K_TOP, dtype=_I32, device="meta")), ValueError,
                                  r"on meta, but"),
 }  # fmt: skip
@@ -115,3 +128,27 @@ def test_fused_ops_accept_the_base_args(build):
     for r, f in zip(real, fake, strict=True):
         assert (tuple(f.shape), f.dtype, f.stride()) == (tuple(r.shape), r.dtype, r.stride())
     assert real[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("build, x_name", [(_gate_up, "x"), (_down_reduce, "a")])
+def test_fused_ops_output_dtype_is_out_dtype_not_the_inputs(build, x_name):
+    # bf16 inputs with out_dtype float32: the output is float32 from the real impl and from the fake
+    # one alike (every other call in these tests has out_dtype equal to the inputs' dtype, so a fake impl
+    # that followed the inputs' dtype would have gone unseen).
+    _, base = build()  # positional: x (or a) first, w sixth
+    op, args = build(**{x_name: base[0].to(torch.bfloat16), "w": base[5].to(torch.bfloat16), "bias": None})
+    real, fake = _run("real", op, args), _run("fake", op, args)
+    real, fake = (real, fake) if isinstance(real, tuple) else ((real,), (fake,))
+    assert real[0].dtype == torch.float32
+    for r, f in zip(real, fake, strict=True):
+        assert (tuple(f.shape), f.dtype, f.stride()) == (tuple(r.shape), r.dtype, r.stride())
+
+
+def test_gate_up_accepts_an_odd_width_for_an_ungated_activation():
+    # Only a gated activation splits GEMM1's N outputs into halves and needs N even; relu2's
+    # intermediate is all N = 31 of them, from the real and the fake impl alike.
+    op, args = _gate_up(w=torch.randn(E, 31, H), bias=None, activation="relu2")
+    real, fake = _run("real", op, args), _run("fake", op, args)
+    assert real[0].shape == (M * K_TOP, 31)
+    for r, f in zip(real, fake, strict=True):
+        assert (tuple(f.shape), f.dtype, f.stride()) == (tuple(r.shape), r.dtype, r.stride())

@@ -856,6 +856,13 @@ RECIPES = {
         Q.QuantScheme(Q.ActivationQuant("fp8", Q.PER_TENSOR), Q.WeightQuant("fp8", Q.PER_TENSOR)),
         moe_ops.Activation("silu"), False, False,
     ),
+    # Static per-tensor int8 activations: both quantizations in the fused ops take the calibrated scales
+    # (a13_scale before GEMM1, a2_scale for the re-quantized intermediate).
+    "int8_static": (
+        torch.float32,
+        Q.QuantScheme(Q.ActivationQuant("int8", Q.PER_TENSOR, static=True), Q.WeightQuant("int8", Q.PER_CHANNEL)),
+        moe_ops.Activation("silu"), False, False,
+    ),
     "int4_zero_point": (
         torch.bfloat16, Q.QuantScheme(None, Q.WeightQuant("int4", Q.GroupShape(1, 32), zero_point=True)),
         moe_ops.Activation("silu"), False, False,
@@ -867,6 +874,9 @@ RECIPES = {
     ),
     "gpt_oss": (torch.float32, Q.UNQUANTIZED, SWIGLUOAI, True, True),
     "gpt_oss_bf16": (torch.bfloat16, Q.UNQUANTIZED, SWIGLUOAI, True, False),  # served by the kernels on sm_90
+    # swigluoai with its own alpha and limit (a limit that clips) and halves, not interleaved: gate_up
+    # passes the recipe's parameters on, which gpt-oss's defaults alone could not show.
+    "swigluoai_alpha_limit": (torch.float32, Q.UNQUANTIZED, moe_ops.Activation("swigluoai", alpha=1.2, limit=1.5), True, False),
     # Ungated: w13 is [E, I, H] and gate_up's output [P, I], not half of GEMM1's width. With
     # gate_up's fake impl halving it for relu2 too, every other test passed and every relu2 layer
     # failed to compile under the lowering.

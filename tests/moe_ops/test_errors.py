@@ -387,6 +387,19 @@ def test_fused_experts_rejects_quantized(no_ops, scheme, mutate, exc, match):
     assert no_ops == []
 
 
+def test_check_weights_rejects_an_odd_int4_k_that_its_group_divides():
+    # int4 packs two values per byte: an odd K (33, in int4 groups of 11) cannot be stored, whatever group
+    # divides it. QuantConfig.check_weights says so itself (fused_experts' own column count rejects it too,
+    # as a shape mismatch; a direct check_weights call had only this check).
+    h, i = 33, 22
+    scheme = QuantScheme(None, WeightQuant("int4", GroupShape(1, 11)))
+    config = QuantConfig(scheme, w13_scale=torch.ones(E, 2 * i, h // 11), w2_scale=torch.ones(E, h, i // 11))
+    w13 = torch.zeros(E, 2 * i, (h + 1) // 2, dtype=torch.uint8)
+    w2 = torch.zeros(E, h, i // 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"w13: int4 packs two values per byte; K=33 must be even"):
+        config.check_weights(w13, w2, h, i, 2 * i)
+
+
 def test_int4_k_not_multiple_of_group(no_ops):
     kw = _inputs(h=QH, i=QI)
     scheme = QuantScheme(None, WeightQuant("int4", GroupShape(1, 128)))  # K=64 (w13) and 32 (w2): no group of 128 fits
