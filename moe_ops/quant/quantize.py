@@ -56,13 +56,15 @@ def check_quantize_recipe(dtype, group, scale, global_scale, cols, names=_QUANTI
 
 
 def check_quantize_args(x, dtype, group, scale, global_scale) -> None:
-    """The op's arguments (shapes and dtypes only, no values: safe under compile). Checked in the real and
-    the fake impl alike, so neither accepts what the other rejects (a static scale with a per-token group
-    came back [1, 1] from the real impl and [M, 1] from the fake)."""
+    """The op's arguments (shapes, dtypes and devices only, no values: safe under compile). Checked in the
+    real and the fake impl alike, so neither accepts what the other rejects (a static scale with a
+    per-token group came back [1, 1] from the real impl and [M, 1] from the fake; a scale on meta beside
+    x on the CPU dispatched the call to the fake impl, which returned uninitialised CPU tensors)."""
     _checks.expect_choice("dtype", dtype, ACTIVATION_STORAGE)
     _checks.expect_ndim("x", x, 2, "[M, K]")
     _checks.expect_dtype("x", x, _checks.FLOAT_DTYPES)
     check_quantize_recipe(dtype, group, scale, global_scale, x.shape[1])
+    _checks.expect_same_device({"x": x, "scale": scale, "global_scale": global_scale})
 
 
 def _quantize(

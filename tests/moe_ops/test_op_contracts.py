@@ -274,6 +274,12 @@ BAD = {
     "gemm_zero_for_int8": (lambda: _gemm(w=torch.ones(E, N, K, dtype=torch.int8), w_dtype="int8", w_group=[1, -1],
                                          w_scale=torch.ones(E, N, 1), w_zero=torch.full((E, N, 1), 8, dtype=torch.uint8)),
                            ValueError, r"w_zero: zero points are for int4 weights only, got one for w_dtype='int8'"),
+    # A scale on meta beside x on the CPU dispatched quantize to its fake impl, which returned
+    # uninitialised CPU tensors (garbage codes, a zero scale) without an error.
+    "quantize_static_scale_on_meta": (lambda: (OPS.quantize, [torch.randn(6, K), "fp8", [-1, -1], torch.ones(1, device="meta"), None]),
+                                      ValueError, r"scale: on meta, but x is on cpu; all tensors must share one device"),
+    "quantize_global_scale_on_meta": (lambda: (OPS.quantize, [torch.randn(6, K), "nvfp4", [1, 16], None, torch.ones(1, device="meta")]),
+                                      ValueError, r"global_scale: on meta, but x is on cpu"),
     "reduce_short_inverse": (lambda: _reduce(inverse=torch.arange(5, dtype=torch.int32)), ValueError,
                              r"inverse: expected shape \(6,\) \(\[M\*k\] for topk_weights \(3, 2\)\), got \(5,\)"),
     "reduce_y_rows": (lambda: _reduce(y=torch.randn(5, N)), ValueError, r"y \(5, 48\): expected M\*k=6 rows for topk_weights \(3, 2\), got 5"),
