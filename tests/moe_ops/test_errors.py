@@ -548,6 +548,15 @@ def test_every_factory_builds_its_scheme(name):
     assert quant.FACTORIES[name](*args).scheme == scheme
 
 
+def test_int8_w8a16_group_size_gives_grouped_scales():
+    # The factory's group_size is honoured: scales of 32-wide groups along K give a 1x32 scheme, not per-channel.
+    scheme = QuantScheme(None, WeightQuant("int8", GroupShape(1, 32)))
+    _, _, cfg = quant.quantize_weights(scheme, torch.randn(E, 2 * 128, 128), torch.randn(E, 128, 128))
+    assert cfg.w13_scale.shape == (E, 2 * 128, 4) and cfg.w2_scale.shape == (E, 128, 4)
+    assert quant.int8_w8a16(cfg.w13_scale, cfg.w2_scale, group_size=32).scheme == scheme
+    assert quant.int8_w8a16(*_fp8_scales()).scheme.weight.group == PER_CHANNEL
+
+
 # ---- route ---------------------------------------------------------------------------------------
 
 BAD_ROUTE = [

@@ -510,6 +510,8 @@ BAD_DEQUANTIZE = {
     "nvfp4_global_dtype": (_NVFP4, lambda q, s, g, z: (q, s, g.double(), None), TypeError, r"global_scale: dtype torch.float64 is not allowed"),
     "global_for_int4": (_INT4, lambda q, s, g, z: (q, s, torch.ones(2), None), ValueError, r"global_scale: only nvfp4 weights have one, got one for int4"),
     "zero_dtype": (_INT4_ZP, lambda q, s, g, z: (q, s, None, z.float()), TypeError, r"zero: dtype torch.float32 is not allowed; allowed: torch.uint8"),
+    # a zero point per channel instead of per group broadcast against the scales and decoded silently
+    "zero_shape": (_INT4_ZP, lambda q, s, g, z: (q, s, None, z[:, :, :1].contiguous()), ValueError, r"zero: expected shape \(2, 16, 2\)"),
 }  # fmt: skip
 
 
@@ -538,6 +540,13 @@ def test_dequantize_weight_accepts_what_quantize_weight_stores(wq):
     q = quant.quantize_weight(w, wq)
     out = quant.dequantize_weight(q["q"], wq, q["scale"], q["global_scale"], q["zero"])
     assert out.shape == w.shape and (out - w).norm() / w.norm() < 0.2
+
+
+def test_dequantize_weight_of_unquantized_weights_is_float32():
+    # The documented float32 result holds without a WeightQuant too: bf16 weights come back widened, values exact.
+    w = torch.randn(2, 16, 64).to(torch.bfloat16)
+    out = quant.dequantize_weight(w, None)
+    assert out.dtype == torch.float32 and torch.equal(out, w.double().float())
 
 
 def test_static_scale_helpers_reject_other_schemes():
