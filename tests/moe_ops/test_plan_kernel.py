@@ -46,6 +46,10 @@ INTERPRETER_CASES = [
     (40, 4, 16, "edges", "blocks:32:64"),
     (40, 4, 16, "edges_map", "keys:32"),
     (40, 4, 16, "edges_map", "blocks:32:64"),
+    # topk_ids as a transposed view (the op passes the caller's tensor on as it is): read by index, not
+    # as if its storage were row-major.
+    (50, 4, 16, "strided", "keys:64"),
+    (50, 4, 16, "strided", "blocks:32:64"),
 ]
 
 
@@ -96,12 +100,30 @@ _SCRIPT = textwrap.dedent(
             emap = torch.randint(-1, e, (e + 4,), dtype=torch.int32)
             emap[e + 3] = 2  # the map's last entry is a local expert: ids equal to it count
         assert (ids == edges[1]).any() and (ids == -1).any()
+    elif kind == "strided":
+        ids = torch.randint(0, e, (k, m), dtype=torch.int32).t()
+        assert not ids.is_contiguous()
     else:
         ids = torch.randint(0, e, (m, k), dtype=torch.int32)
     if kind.startswith("wide"):
         assert local_expert_ids(ids, e, emap).lt(e).sum() < ids.numel(), "no wide id or entry was drawn"
     want = routing_plan(ids, e, emap)
-    got = routing_plan_triton(ids, e, emap, launch)
+    # Every buffer the kernel path allocates gets a tail of sentinels past its end: a write beyond
+    # its size (a scratch area too small for the programs) shows there instead of in freed memory.
+    empty, guards = torch.empty, []
+    def guarded_empty(*size, **kw):
+        n = torch.Size(size[0] if len(size) == 1 and not isinstance(size[0], int) else size).numel()
+        buf = empty(n + 256, **kw)
+        buf[n:] = -7
+        guards.append((buf, n))
+        return buf[:n].view(*size)
+    torch.empty = guarded_empty
+    try:
+        got = routing_plan_triton(ids, e, emap, launch)
+    finally:
+        torch.empty = empty
+    for buf, n in guards:
+        assert buf[n:].eq(-7).all(), ("write past an allocation", n, buf[n:].tolist())
     for name, a, b in zip(("expert_offsets", "gather_idx", "inverse"), want, got):
         assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
         assert torch.equal(a, b), (name, a.tolist(), b.tolist())
@@ -184,6 +206,16 @@ def test_launch_config_switches_kernel_at_keys_max_pairs():
         assert launch_config(1, e).method == "keys"
         assert launch_config(KEYS_MAX_PAIRS, e).method == "keys"
         assert launch_config(KEYS_MAX_PAIRS + 1, e).method == "blocks"
+
+
+def test_launch_config_by_keys_scans_the_whole_plan_in_one_chunk():
+    # The keys kernel's timings assume one chunk per scan: its chunk holds all P pairs, no more than twice that.
+    from moe_ops.plan_kernel import KEYS_MAX_PAIRS, launch_config
+
+    for p in (1, 15, 16, 17, 100, 512, 513, 1024, 3000, KEYS_MAX_PAIRS):
+        launch = launch_config(p, 128)
+        assert launch.method == "keys"
+        assert p <= launch.chunk <= max(16, 2 * p), (p, launch)
 
 
 @pytest.mark.parametrize(
