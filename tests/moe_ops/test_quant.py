@@ -510,7 +510,7 @@ BAD_DEQUANTIZE = {
     "nvfp4_global_dtype": (_NVFP4, lambda q, s, g, z: (q, s, g.double(), None), TypeError, r"global_scale: dtype torch.float64 is not allowed"),
     "global_for_int4": (_INT4, lambda q, s, g, z: (q, s, torch.ones(2), None), ValueError, r"global_scale: only nvfp4 weights have one, got one for int4"),
     "zero_dtype": (_INT4_ZP, lambda q, s, g, z: (q, s, None, z.float()), TypeError, r"zero: dtype torch.float32 is not allowed; allowed: torch.uint8"),
-    # a zero point per channel instead of per group broadcast against the scales and decoded silently
+    # a zero point per channel instead of per group: a RuntimeError from deep in the decoder's expand, not naming zero
     "zero_shape": (_INT4_ZP, lambda q, s, g, z: (q, s, None, z[:, :, :1].contiguous()), ValueError, r"zero: expected shape \(2, 16, 2\)"),
 }  # fmt: skip
 
