@@ -555,3 +555,16 @@ def test_static_scale_helpers_reject_other_schemes():
     dynamic = QuantScheme(ActivationQuant("fp8", PER_TOKEN), WeightQuant("fp8", PER_CHANNEL))
     with pytest.raises(ValueError, match=r"scheme: fp8_w8a8_per_token .* has no static activation scales"):
         quant.static_activation_scales(dynamic, torch.randn(4, H), torch.randn(4, I))
+
+
+@pytest.mark.parametrize("empty", ["calibration", "intermediate_calibration"])
+def test_static_activation_scales_reject_empty_samples(empty):
+    """static_activation_scales is public: called directly with no samples for one GEMM it names the
+    argument (an amax over nothing has no value; torch raises its own reduction error there)."""
+    static = QuantScheme(ActivationQuant("fp8", PER_TENSOR, static=True), WeightQuant("fp8", PER_TENSOR))
+    samples = {"calibration": torch.randn(4, H), "intermediate_calibration": torch.randn(4, I)}
+    samples[empty] = samples[empty][:0]
+    with pytest.raises(ValueError, match=rf"{empty}: no samples, got shape \(0, \d+\)"):
+        quant.static_activation_scales(static, **samples)
+    scales = quant.static_activation_scales(static, torch.full((2, H), 448.0), torch.full((2, I), -896.0))
+    assert scales["a13_scale"].tolist() == [1.0] and scales["a2_scale"].tolist() == [2.0]  # amax / 448
