@@ -251,3 +251,40 @@ def test_variants_cover_every_request(bias):
     assert {v[0].gate_layout for v in want} == set(LAYOUTS)
     assert not want - set(got), sorted(map(str, want - set(got)))
     assert not set(got) - want, sorted(map(str, set(got) - want))
+
+
+@pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
+def test_launchers_choose_tiles_for_their_own_k(monkeypatch, op):
+    """The launchers ask choose_tiles about the GEMM they run: GEMM1 reads K = H (its N is I), GEMM2
+    reads K = I (its N is H). With the two swapped a long-K split tile is picked for a short K (or
+    missed for a long one): no wrong number, a slower kernel that no other CPU test sees. The GPU
+    calls are stubbed: device checks pass, nothing compiles or launches."""
+    e, k, m, hidden, inter = 8, 2, 4, 4096, 256
+    asked = []
+    real = interface.choose_tiles
+
+    def recording(*args, **kwargs):
+        asked.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(interface, "choose_tiles", recording)
+    monkeypatch.setattr(interface, "device_support", lambda device: (True, "stubbed"))
+    monkeypatch.setattr(interface, "num_sms", lambda index: 132)
+    monkeypatch.setattr(interface, "_gemm", lambda *args, **kwargs: None)
+    monkeypatch.setattr(interface, "_launch_gemm", lambda *args, **kwargs: None)
+    monkeypatch.setattr(interface, "_token_sum", lambda dtype: lambda *args: None)
+    monkeypatch.setattr(interface, "_ptr", lambda t: None)
+    monkeypatch.setattr(interface, "_stream", lambda device: None)
+    bf16 = torch.bfloat16
+    offsets = torch.tensor([0, m * k] + [m * k] * (e - 1), dtype=torch.int32)
+    if op == "gate_up":
+        interface.gate_up(torch.randn(m, hidden, dtype=bf16), torch.randn(e, 2 * inter, hidden, dtype=bf16), None, offsets,
+                          torch.arange(m * k, dtype=torch.int32) // k, activation="silu", alpha=1.702, limit=7.0,
+                          gate_layout="concat")  # fmt: skip
+        n_out, k_dim = inter, hidden
+    else:
+        interface.down_reduce(torch.randn(m * k, inter, dtype=bf16), torch.randn(e, hidden, inter, dtype=bf16), None, offsets,
+                              torch.rand(m, k), torch.arange(m * k, dtype=torch.int32))  # fmt: skip
+        n_out, k_dim = hidden, inter
+    ((args, kwargs),) = asked
+    assert args[1] == n_out and kwargs == {"k_dim": k_dim}
