@@ -110,6 +110,16 @@ def _run(where: str, op, args):
         return op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
 
 
+def _real_matching_fake(op, args) -> tuple:
+    """The real impl's outputs (as a tuple), after checking the fake impl gives each one's shape, dtype
+    and strides."""
+    real, fake = _run("real", op, args), _run("fake", op, args)
+    real, fake = (real, fake) if isinstance(real, tuple) else ((real,), (fake,))
+    for r, f in zip(real, fake, strict=True):
+        assert (tuple(f.shape), f.dtype, f.stride()) == (tuple(r.shape), r.dtype, r.stride())
+    return real
+
+
 @pytest.mark.parametrize("case", list(BAD))
 @pytest.mark.parametrize("where", ["real", "fake"])
 def test_fused_ops_reject_bad_args(case, where):
@@ -122,11 +132,7 @@ def test_fused_ops_reject_bad_args(case, where):
 @pytest.mark.parametrize("build", [_gate_up, _down_reduce])
 def test_fused_ops_accept_the_base_args(build):
     # Positive control for test_fused_ops_reject_bad_args: the base arguments run in both impls and agree.
-    op, args = build()
-    real, fake = _run("real", op, args), _run("fake", op, args)
-    real, fake = (real, fake) if isinstance(real, tuple) else ((real,), (fake,))
-    for r, f in zip(real, fake, strict=True):
-        assert (tuple(f.shape), f.dtype, f.stride()) == (tuple(r.shape), r.dtype, r.stride())
+    real = _real_matching_fake(*build())
     assert real[0].abs().sum() > 0
 
 
@@ -137,18 +143,11 @@ def test_fused_ops_output_dtype_is_out_dtype_not_the_inputs(build, x_name):
     # that followed the inputs' dtype would have gone unseen).
     _, base = build()  # positional: x (or a) first, w sixth
     op, args = build(**{x_name: base[0].to(torch.bfloat16), "w": base[5].to(torch.bfloat16), "bias": None})
-    real, fake = _run("real", op, args), _run("fake", op, args)
-    real, fake = (real, fake) if isinstance(real, tuple) else ((real,), (fake,))
-    assert real[0].dtype == torch.float32
-    for r, f in zip(real, fake, strict=True):
-        assert (tuple(f.shape), f.dtype, f.stride()) == (tuple(r.shape), r.dtype, r.stride())
+    assert _real_matching_fake(op, args)[0].dtype == torch.float32
 
 
 def test_gate_up_accepts_an_odd_width_for_an_ungated_activation():
     # Only a gated activation splits GEMM1's N outputs into halves and needs N even; relu2's
     # intermediate is all N = 31 of them, from the real and the fake impl alike.
     op, args = _gate_up(w=torch.randn(E, 31, H), bias=None, activation="relu2")
-    real, fake = _run("real", op, args), _run("fake", op, args)
-    assert real[0].shape == (M * K_TOP, 31)
-    for r, f in zip(real, fake, strict=True):
-        assert (tuple(f.shape), f.dtype, f.stride()) == (tuple(r.shape), r.dtype, r.stride())
+    assert _real_matching_fake(op, args)[0].shape == (M * K_TOP, 31)
