@@ -117,6 +117,27 @@ def graph_inputs(name: str, m: int, calls: int = GRAPH_CALLS, device="cuda") -> 
     return sets
 
 
+def expert_weight_bytes(name: str) -> int:
+    """Bytes of one expert's bf16 weights for shape `name`: its gate and up rows [2I, H] and down rows [H, I]."""
+    _, _, h, i = SHAPES[name]
+    return 3 * i * h * 2
+
+
+def layer_flops(name: str, m: int) -> int:
+    """FLOPs of one layer call on m tokens of shape `name`: M*k routed pairs, each a [1, H] x [H, 2I]
+    and a [1, I] x [I, H] product (2 FLOPs per multiply-add); routing, activation and reduction are
+    negligible beside them."""
+    _, k, h, i = SHAPES[name]
+    return 2 * m * k * 3 * i * h
+
+
+def speed_of_light_us(name: str, m: int, active: int, bandwidth: float, rate: float) -> float:
+    """The speed-of-light time in µs of one call of shape `name` on m tokens routed to `active` distinct
+    experts: the larger of reading each active expert's weights once at `bandwidth` bytes/s and doing
+    the layer's FLOPs at `rate` FLOP/s (issue 5's SoL column, which used 4.25e12 and 790e12)."""
+    return max(active * expert_weight_bytes(name) / bandwidth, layer_flops(name, m) / rate) * 1e6
+
+
 def active_experts(topk_ids: torch.Tensor) -> int:
     """How many distinct experts topk_ids routes to (a host sync: benchmark setup only)."""
     return int(torch.unique(topk_ids).numel())
@@ -291,13 +312,11 @@ def run(shapes, tokens, replays: int) -> list[dict]:
                 sets = graph_inputs(name, m)
                 graph_us = graph_time_us(lambda: [layer(xs, w13, w2, tw, ids) for xs, tw, ids in sets], replays) / len(sets)
             torch_us = graph_time_us(lambda: torch_grouped_mm_layer(x, w13, w2, topk_weights, topk_ids), replays)
-            flops = 2 * m * k * 3 * i * h
-            expert_bytes = 3 * i * h * 2  # bf16 [gate; up] and down rows of one expert
-            sol = lambda active: max(active * expert_bytes / bandwidth, flops / rate) * 1e6  # noqa: E731
+            flops, expert_bytes = layer_flops(name, m), expert_weight_bytes(name)
             active = active_experts(topk_ids)
             weight_bytes = active * expert_bytes
-            sol_us = sol(active)
-            graph_sol_us = statistics.mean(sol(active_experts(ids)) for _, _, ids in sets)
+            sol_us = speed_of_light_us(name, m, active, bandwidth, rate)
+            graph_sol_us = statistics.mean(speed_of_light_us(name, m, active_experts(ids), bandwidth, rate) for _, _, ids in sets)
             del sets
             records.append(dict(
                 shape=name, E=e, k=k, H=h, I=i, M=m, ours_us=ours_us, torch_us=torch_us, sol_us=sol_us,

@@ -203,3 +203,38 @@ def test_check_of_a_malformed_file_is_an_argparse_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--check", str(path)])
     assert "JSONDecodeError" in capsys.readouterr().err
+
+
+# Issue 5's SoL column at the points whose active expert count is certain: k at M = 1 (k distinct
+# ids), all E once M*k covers every expert many times over (uniform routing), and mixtral's 8 from M = 16.
+ISSUE_SOL_US = {
+    ("mixtral", 1): 166, ("mixtral", 16): 663, ("mixtral", 128): 663, ("mixtral", 1024): 913, ("mixtral", 8192): 7307,
+    ("qwen3-30b-a3b", 1): 18, ("qwen3-30b-a3b", 1024): 284, ("qwen3-30b-a3b", 8192): 783,
+    ("deepseek-v3", 1): 166, ("deepseek-v3", 1024): 5306, ("deepseek-v3", 8192): 7307,
+    ("gpt-oss-120b", 1): 47, ("gpt-oss-120b", 1024): 1499, ("gpt-oss-120b", 8192): 2064,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("point", ISSUE_SOL_US, ids=lambda p: f"{p[0]}-M{p[1]}")
+def test_speed_of_light_reproduces_the_issue_column(point):
+    """The benchmark's % SoL is only honest if its bound is the issue's: at the issue's rates (4.25 TB/s,
+    790 TFLOP/s) the formula gives each point of its table to the table's rounding."""
+    name, m = point
+    e, k, _, _ = bench.SHAPES[name]
+    active = k if m == 1 else e
+    assert abs(bench.speed_of_light_us(name, m, active, 4.25e12, 790e12) - ISSUE_SOL_US[point]) < 0.5
+
+
+@pytest.mark.parametrize("name", bench.SHAPES)
+def test_speed_of_light_counts_the_benchmarked_tensors(name):
+    """The bound's bytes and FLOPs are those of the weights the benchmark allocates (meta tensors: no
+    memory), counted independently of the formula: an active expert's w13 and w2 slices, and 2 FLOPs
+    per multiply-add of every routed pair through both."""
+    w13, w2 = bench.expert_weights(name, device="meta")
+    per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    assert bench.expert_weight_bytes(name) == per_expert
+    _, k, _, _ = bench.SHAPES[name]
+    assert bench.layer_flops(name, 3) == 2 * 3 * k * (w13[0].numel() + w2[0].numel())
+    # Bandwidth-bound with few tokens, compute-bound with many: each side of max() is reached.
+    assert bench.speed_of_light_us(name, 1, 1, 1e12, 1e30) == pytest.approx(per_expert / 1e12 * 1e6)
+    assert bench.speed_of_light_us(name, 3, 1, 1e30, 1e12) == pytest.approx(2 * 3 * k * per_expert / 2 / 1e12 * 1e6)
