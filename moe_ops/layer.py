@@ -123,10 +123,9 @@ class FusedMoE(nn.Module):
         if needs_calibration(self.scheme):
             x = self._calibration_inputs(calibration)
             # GEMM2's inputs as forward computes them: from the stored (dequantized) w13, as calibrate() does.
+            # (Every scheme with static activation scales quantizes its weights: SCHEMES has no other.)
             if w13 is None:
                 float13 = self.float_weights()[0]
-            elif wq is None:
-                float13 = w13
             else:
                 q = new["w13"]
                 float13 = dequantize_weight(q["q"], wq, q["scale"], q["global_scale"], q["zero"])
@@ -421,8 +420,6 @@ class FusedMoE(nn.Module):
 
     def float_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The expert weights in float32 (dequantized for a quantized scheme): w13 [E, n13, H], w2 [E, H, I]."""
-        from .quant.config import dequantize_weight
-
         c = self.quant_config()
         wq = self.scheme.weight
         return (

@@ -326,9 +326,33 @@ def test_calibration_is_refused_for_a_scheme_without_static_scales():
 def test_calibrate_rejects_non_finite_samples():
     layer = _layer(STATIC["fp8_per_tensor_static"])
     before = _state(layer)
-    with pytest.raises(ValueError, match=r"calibration: holds NaN or inf"):
+    # Named for the samples themselves, before the router sees them: the later check on GEMM2's inputs
+    # would also fire, blaming an overflow in GEMM1 that never happened.
+    with pytest.raises(ValueError, match=r"^calibration: holds NaN or inf; static activation scales calibrated on it would be NaN/inf$"):
         layer.calibrate(torch.full((2, H), float("inf")))
     _assert_unchanged(layer, before)
+
+
+def test_calibration_on_meta_is_refused():
+    """Meta samples hold no values to calibrate on: named, rather than torch's copy-out-of-meta error."""
+    layer = _layer(STATIC["fp8_per_tensor_static"])
+    before = _state(layer)
+    with pytest.raises(ValueError, match=r"^calibration: on meta, which holds no values; the layer is on cpu$"):
+        layer.calibrate(torch.randn(4, H, device="meta"))
+    _assert_unchanged(layer, before)
+
+
+@pytest.mark.parametrize("name", list(STATIC))
+def test_calibration_samples_in_another_dtype_are_converted(name):
+    """Samples in float32 for a bf16 layer are taken in the layer's dtype, as forward would see them:
+    the scales equal those of the same samples converted first (without the conversion the router's
+    bf16 Linear refused float32 input)."""
+    layer = moe_ops.FusedMoE(E, TOP_K, H, I, quant_config=STATIC[name], dtype=torch.bfloat16)
+    x = 5 * torch.randn(64, H, generator=generator(21))
+    layer.calibrate(x)
+    from_float = [t.clone() for t in _act_scales(layer)]
+    layer.calibrate(x.to(torch.bfloat16))
+    assert all(torch.equal(a, b) for a, b in zip(from_float, _act_scales(layer)))
 
 
 @pytest.mark.parametrize("name", list(STATIC))

@@ -387,6 +387,14 @@ def test_load_unknown_name_raises(name):
         layer.load_weights({name: torch.zeros(3)})
 
 
+def test_correction_bias_name_is_a_whole_name_part():
+    """A layer with a correction bias takes "...e_score_correction_bias", not a longer name ending so."""
+    layer = _layer(scoring="sigmoid", correction_bias=True)
+    name = "model.layers.0.mlp.gate.my_e_score_correction_bias"
+    with pytest.raises(ValueError, match=rf"weights: unknown name {name!r}"):
+        layer.load_weights({name: torch.zeros(E)})
+
+
 @pytest.mark.parametrize(
     "weights, match",
     [
@@ -759,6 +767,29 @@ def test_partial_load_leaves_the_other_projection_as_stored():
     layer.load_weights({"w2": torch.randn(E, H, I)})
     for n, b in before.items():
         assert torch.equal(getattr(layer, n), b), f"{n} changed"
+
+
+@pytest.mark.parametrize("size", ["num_experts", "top_k", "hidden_size", "intermediate_size"])
+@pytest.mark.parametrize("value", [0, True, 2.0])
+def test_sizes_must_be_positive_ints(size, value):
+    """True is an int to isinstance, and would build a layer of size 1."""
+    with pytest.raises(ValueError, match=rf"^{size}: got {value!r}; allowed: an int >= 1$"):
+        _layer(**{size: value})
+
+
+@pytest.mark.parametrize(
+    "routing, match",
+    [
+        (dict(scoring="sigmod"), r"scoring: got 'sigmod'"),
+        (dict(num_expert_group=3), r"num_expert_group and topk_group: got 3 and None"),
+        (dict(routed_scaling_factor=float("nan")), r"routed_scaling_factor: got nan"),
+    ],
+)
+def test_routing_options_are_checked_at_construction(routing, match):
+    """A bad routing option fails when the layer is built, not at its first forward (possibly inside a
+    compiled model, far from the line that set it)."""
+    with pytest.raises(ValueError, match=match):
+        _layer(**routing)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
