@@ -30,10 +30,11 @@ def routing(m, e, k, device="cuda", skew: float = 0.0):
     return (topk_weights / topk_weights.sum(-1, keepdim=True)).float().contiguous(), topk_ids.to(torch.int32).contiguous()
 
 
-def reference(x, w13, w2, topk_weights, topk_ids, activation="silu", alpha=1.702, limit=7.0, interleaved=False, b13=None, b2=None):
-    """moe_ops' reference ops on the same device: (intermediate [P, I], output [M, H], offsets)."""
+def reference(x, w13, w2, topk_weights, topk_ids, activation="silu", alpha=1.702, limit=7.0, interleaved=False, b13=None, b2=None,
+              expert_map=None):  # fmt: skip
+    """moe_ops' reference ops on the same device: (intermediate [P, I], output [M, H], the plan)."""
     e = w13.shape[0]
-    offsets, gather, inverse = routing_plan(topk_ids, e, None)
+    offsets, gather, inverse = routing_plan(topk_ids, e, expert_map)
     h = grouped_gemm(x, None, None, "none", NONE, w13, None, None, None, "none", NONE, b13, offsets, gather, x.dtype)
     inter = activation_op(h, activation, alpha, limit, interleaved)
     y = grouped_gemm(inter, None, None, "none", NONE, w2, None, None, None, "none", NONE, b2, offsets, None, x.dtype)

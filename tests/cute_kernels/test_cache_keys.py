@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +16,7 @@ import torch
 
 # Before the DSL's first import: it fixes its target then.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-pytest.importorskip("cutlass")
+cutlass = pytest.importorskip("cutlass")
 
 from cute_kernels import compile as cc  # noqa: E402
 from cute_kernels import interface  # noqa: E402
@@ -101,17 +102,30 @@ def test_source_hash_changes_with_any_source(tmp_path, monkeypatch):
     assert cc._source_hash() == cc._SOURCE_HASH
 
 
-def test_disk_cache_is_keyed_by_the_source_hash(tmp_path, monkeypatch):
-    # cc.get's own path from key to object file, with the compiler and the export stubbed: a kernel
-    # exported under one source hash loads from disk under the same hash only; after an edit of the
-    # sources (another hash) the same key compiles again instead of loading the old binary.
+@pytest.fixture
+def stub_compiler(tmp_path, monkeypatch) -> list:
+    """cc.get's compiler, export and loader stubbed, its caches empty and its directory tmp_path: each
+    compile gives SimpleNamespace(built=jit_fn), each load SimpleNamespace(loaded=path), and the export
+    writes an empty object file. Returns the list of the load calls' paths."""
+    loads = []
     monkeypatch.setenv("MOE_OPS_CUTE_CACHE", str(tmp_path))
     monkeypatch.setattr(cc, "_memory", {})
     monkeypatch.setattr(cc, "timings", {})
     monkeypatch.setattr(cc, "cute", SimpleNamespace(compile=lambda fn, *args, options: SimpleNamespace(built=fn)))
     monkeypatch.setattr(cc, "_export", lambda fn, path, prefix: path.write_bytes(b""))
-    monkeypatch.setattr(cc, "load_module", lambda path: SimpleNamespace(**{Path(path).stem: SimpleNamespace(loaded=path)}))
 
+    def load_module(path):
+        loads.append(path)
+        return SimpleNamespace(**{Path(path).stem: SimpleNamespace(loaded=path)})
+
+    monkeypatch.setattr(cc, "load_module", load_module)
+    return loads
+
+
+def test_disk_cache_is_keyed_by_the_source_hash(tmp_path, monkeypatch, stub_compiler):
+    # cc.get's own path from key to object file, with the compiler and the export stubbed: a kernel
+    # exported under one source hash loads from disk under the same hash only; after an edit of the
+    # sources (another hash) the same key compiles again instead of loading the old binary.
     def get(key: str, source_hash: str) -> str:
         monkeypatch.setattr(cc, "_SOURCE_HASH", source_hash)
         monkeypatch.setattr(cc, "_memory", {})  # a fresh process
@@ -124,3 +138,100 @@ def test_disk_cache_is_keyed_by_the_source_hash(tmp_path, monkeypatch):
     assert get("moe_gemm:other", "a" * 16) == "compile"
     assert get("moe_gemm:k", "b" * 16) == "compile"
     assert len(list(tmp_path.glob("*.o"))) == 3
+
+
+def test_memory_cache_serves_a_key_again_without_the_disk(tmp_path, stub_compiler):
+    # In one process a key compiles once and is then the very same function from memory: no second
+    # build, no load of the object file the first call exported (a load per call costs milliseconds at
+    # every launch, and gives a new function object each time).
+    builds = []
+    first = cc.get("moe_gemm:k", lambda: builds.append(1) or ("kernel", ()))
+    assert first.built == "kernel" and cc.timings["moe_gemm:k"][0] == "compile"
+    assert cc.get("moe_gemm:k", lambda: builds.append(1) or ("kernel", ())) is first
+    assert builds == [1] and stub_compiler == []
+
+
+def test_concurrent_first_uses_compile_once(stub_compiler, monkeypatch):
+    # Two threads ask for one key; the second asks while the first is compiling it, so the second
+    # finds nothing in memory and waits for the lock. Once it has the lock it must take the first's
+    # function, not compile again nor load the object file (another function object). The lock is
+    # wrapped only to know when the second thread waits on it: no sleeps, no timing.
+    building, release, second_waits = threading.Event(), threading.Event(), threading.Event()
+    lock, builds, results = threading.Lock(), [], []
+
+    class ObservedLock:
+        def __enter__(self):
+            if building.is_set():
+                second_waits.set()
+            lock.acquire()
+
+        def __exit__(self, *exc):
+            lock.release()
+
+    def build():
+        builds.append(1)
+        building.set()
+        assert release.wait(30)
+        return "kernel", ()
+
+    monkeypatch.setattr(cc, "_lock", ObservedLock())
+    threads = [threading.Thread(target=lambda: results.append(cc.get("moe_gemm:k", build))) for _ in range(2)]
+    threads[0].start()
+    assert building.wait(30)
+    threads[1].start()
+    assert second_waits.wait(30)
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert len(results) == 2 and results[0] is results[1]
+    assert builds == [1] and stub_compiler == []
+
+
+def test_cache_dir_default_and_override(tmp_path, monkeypatch):
+    # The README's default, ~/.cache/moe_ops/cute, and $MOE_OPS_CUTE_CACHE over it.
+    monkeypatch.delenv("MOE_OPS_CUTE_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cc.cache_dir() == tmp_path / ".cache" / "moe_ops" / "cute"
+    monkeypatch.setenv("MOE_OPS_CUTE_CACHE", str(tmp_path / "elsewhere"))
+    assert cc.cache_dir() == tmp_path / "elsewhere"
+
+
+def test_source_hash_changes_with_the_dsl_version(monkeypatch):
+    # Object files from another DSL release may not load, or may call into a runtime that changed:
+    # a DSL upgrade must invalidate the disk cache like an edit of the sources does.
+    monkeypatch.setattr(cutlass, "__version__", cutlass.__version__ + ".other")
+    assert cc._source_hash() != cc._SOURCE_HASH
+
+
+class _Exportable:
+    """A compiled function's stand-in for cc._export: export_to_c writes `{prefix}.o` into the folder
+    it is given (as the DSL does) with the function prefix in it, or raises `error`."""
+
+    def __init__(self, error: Exception | None = None):
+        self.error = error
+
+    def export_to_c(self, folder, prefix, function_prefix):
+        if self.error is not None:
+            raise self.error
+        (Path(folder) / f"{prefix}.o").write_text(f"functions named {function_prefix}")
+
+
+def test_export_creates_the_cache_dir(tmp_path, monkeypatch):
+    # The default cache directory does not exist before the first export: _export makes it (a cache
+    # that is never written costs every process a compile, and says nothing). The file lands at the
+    # path cc.get loads from, its functions named by the prefix cc.get looks up.
+    monkeypatch.setattr(cc, "export_errors", [])
+    path = tmp_path / "not" / "yet" / "moe_abc.o"
+    cc._export(_Exportable(), path, "moe_abc")
+    assert cc.export_errors == []
+    assert path.read_text() == "functions named moe_abc"
+    assert [p.name for p in path.parent.iterdir()] == ["moe_abc.o"]  # no temporary folder left behind
+
+
+def test_export_failure_is_recorded_not_raised(tmp_path, monkeypatch):
+    # An export that fails (here the DSL's own error, not an OSError) costs the next process a compile,
+    # nothing else: the kernel in hand still runs, and the reason is kept for the compile-time report.
+    monkeypatch.setattr(cc, "export_errors", [])
+    cc._export(_Exportable(RuntimeError("cannot export\nmore detail")), tmp_path / "moe_abc.o", "moe_abc")
+    assert cc.export_errors == ["moe_abc.o: RuntimeError: cannot export"]
+    assert not (tmp_path / "moe_abc.o").exists()

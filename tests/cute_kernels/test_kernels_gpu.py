@@ -148,6 +148,28 @@ def test_top_k_past_the_early_pairs(interface, k):
     check(interface, 37, 16, k, 512, 256)
 
 
+def test_dropped_pairs_contribute_nothing(interface):
+    """Pairs whose expert lives on another rank (expert_map -1) sort past offsets[E]: GEMM2 never writes
+    their grouped rows and the token sum must not read them; the first dropped pair's row is offsets[E]
+    itself, which a bound of <= instead of < would read. None of the other cases drops a pair. GEMM2's
+    rows are allocated inside down_reduce: a block of their size filled with NaN is freed just before,
+    so that the caching allocator most likely hands it back and a row read unwritten shows as NaN."""
+    e_global, e, k, h, i, m = 16, 8, 4, 512, 256, 37
+    expert_map = torch.full((e_global,), -1, dtype=torch.int32, device="cuda")
+    expert_map[::2] = torch.arange(e, dtype=torch.int32, device="cuda")  # the even experts are local
+    w13, w2 = weights(e, h, i)
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+    tw, ti = routing(m, e_global, k)
+    _, ref_out, (offsets, gather, inverse) = reference(x, w13, w2, tw, ti, expert_map=expert_map)
+    assert 0 < int(offsets[-1]) < m * k, "no pair dropped, or every pair"
+    inter = interface.gate_up(x, w13, None, offsets, gather, activation="silu", alpha=1.702, limit=7.0, gate_layout="concat")
+    out = torch.full((m, h), float("nan"), device="cuda", dtype=torch.bfloat16)
+    torch.full((m * k, h), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed at once: GEMM2's rows' block
+    interface.down_reduce(inter, w2, None, offsets, tw, inverse, out=out)
+    assert not out.isnan().any(), "a dropped pair's row was read, or an element left unwritten"
+    assert rel_err(out, ref_out) < TOL
+
+
 def test_deterministic(interface):
     e, k, h, i, m = 32, 4, 1024, 512, 777
     w13, w2 = weights(e, h, i)

@@ -146,10 +146,13 @@ class HandQuantized(nn.Module):
     moe_ops.quantize makes it as `made` (dtype, group) with global scale `made_gs`, and the GEMM reads
     it as `read` with global scale `read_gs` ("made": the very same tensor as made_gs). Equal recipes
     (one global scale) are what fused_experts writes and are fusable; a quantize with another recipe
-    than the GEMM's is not, since gate_up quantizes with the GEMM's."""
+    than the GEMM's is not, since gate_up quantizes with the GEMM's. at="gemm2": the second GEMM's input
+    is the one quantized by hand (and the first's is not), which is fusable whatever the two recipes:
+    gate_up re-quantizes with the quantize's recipe and down_reduce reads with the GEMM's."""
 
-    def __init__(self, made, read, made_gs=None, read_gs=None):
+    def __init__(self, made, read, made_gs=None, read_gs=None, at="gemm1"):
         super().__init__()
+        self.at = at
         w13, w2 = float_weights(4, 128, 64)
         self.register_buffer("w13", w13)
         self.register_buffer("w2", w2)
@@ -163,31 +166,40 @@ class HandQuantized(nn.Module):
             raise ValueError(f"x: expected [M, {self.w13.shape[2]}], got {tuple(x.shape)}")
         offsets, gather_idx, inverse = routing_plan(topk_ids, 4, None)
         none = [-1, -1]
-        q, s = quantize(x, self.made[0], self.made[1], None, self.made_gs)
         read_gs = self.made_gs if self.shared_gs else self.read_gs
-        h = grouped_gemm(q, s, read_gs, self.read[0], self.read[1], self.w13, None, None, None, "none", none, None,
-                         offsets, gather_idx, x.dtype)  # fmt: skip
+
+        def gemm(a, w, gather, hand_quantized):
+            s, a_gs, a_dtype, a_group = None, None, "none", none
+            if hand_quantized:
+                a, s = quantize(a, self.made[0], self.made[1], None, self.made_gs)
+                a_gs, (a_dtype, a_group) = read_gs, self.read
+            return grouped_gemm(a, s, a_gs, a_dtype, a_group, w, None, None, None, "none", none, None, offsets, gather, x.dtype)
+
+        h = gemm(x, self.w13, gather_idx, self.at == "gemm1")
         a = activation_op(h, "silu", 1.702, 7.0, False)
-        y = grouped_gemm(a, None, None, "none", none, self.w2, None, None, None, "none", none, None, offsets, None, x.dtype)
+        y = gemm(a, self.w2, None, self.at == "gemm2")
         return weighted_reduce(y, topk_weights, inverse, offsets)
 
 
-class UnfusedThenFused(nn.Module):
-    """Two MoE layers, the first not fusable (SecondUser: its activation is also returned), the second
-    fusable, its input computed from the first's outputs; `fused_first` swaps their order."""
+class MixedLayers(nn.Module):
+    """MoE layers in the order `order` spells, F a fusable one (Experts) and U one that is not (SecondUser:
+    its activation is also returned), each layer's input computed from the layer before's output. Returns
+    the last layer's output and every U layer's side output."""
 
-    def __init__(self, fused_first: bool = False):
+    def __init__(self, order: str):
         super().__init__()
-        self.fused_first = fused_first
-        self.unfusable = SecondUser()
-        self.fusable = Experts(*float_weights(4, 128, 64))
+        self.order = order
+        self.layers = nn.ModuleList(SecondUser() if c == "U" else Experts(*float_weights(4, 128, 64)) for c in order)
 
     def forward(self, x, topk_weights, topk_ids):
-        if self.fused_first:
-            x = x + self.fusable(x, topk_weights, topk_ids)
-            return self.unfusable(x, topk_weights, topk_ids)
-        y, side = self.unfusable(x, topk_weights, topk_ids)
-        return self.fusable(x + y, topk_weights, topk_ids), side
+        sides = []
+        for c, layer in zip(self.order, self.layers):
+            y = layer(x, topk_weights, topk_ids)
+            if c == "U":
+                y, side = y
+                sides.append(side)
+            x = x + y
+        return x, *sides
 
 
 CASES = {

@@ -215,6 +215,12 @@ def test_two_layers_two_fused_pairs():
     # Each gate_up feeds its own down_reduce.
     for f in report.fused:
         assert f.down_reduce.args[0].args[0] is f.gate_up
+    # The new nodes carry their layer's source location (the replaced reduction's stack trace), so
+    # that Inductor's errors and provenance point into the model rather than nowhere.
+    for f in report.fused:
+        trace = f.chain.reduce.meta.get("stack_trace")
+        assert trace and "fused_experts" in trace
+        assert all(n.meta.get("stack_trace") == trace for n in (f.gate_up, f.down_reduce.args[0], f.down_reduce))
 
     explained = lowering.explain(model, *batches[0])
     assert [r.fused for r in explained.layers] == ["gate_up + down_reduce"] * 2
@@ -268,13 +274,29 @@ def test_quantize_recipe_must_match_the_first_gemms(name):
     moe_ops.quantize used another recipe than the one GEMM1 reads with computes something gate_up
     cannot: it is left unfused (and says why), and compiled equals eager either way."""
     made, read, scales, fusable = HAND_QUANTIZED[name]
-    gs = ()
-    if scales is not None:
-        made_gs = formats.nvfp4_global_scale(torch.randn(16, 128)).reshape(1)
-        gs = (made_gs, "made" if scales == "shared" else made_gs * (1.5 + torch.rand(1)))
-    reason = _one_layer_verdict(cases.HandQuantized(made, read, *gs), fusable)
+    reason = _one_layer_verdict(cases.HandQuantized(made, read, *_global_scales(scales)), fusable)
     if not fusable:
         assert ("global scale" in reason) if scales == "other" else (f"made it as {made[0]} {made[1]}" in reason)
+
+
+def _global_scales(scales: str | None) -> tuple:
+    """HandQuantized's (made_gs, read_gs) for HAND_QUANTIZED's global scales: none, one shared, or the
+    GEMM's from another calibration (1.5 to 2.5 times the quantize's)."""
+    if scales is None:
+        return ()
+    made_gs = formats.nvfp4_global_scale(torch.randn(16, 128)).reshape(1)
+    return made_gs, "made" if scales == "shared" else made_gs * (1.5 + torch.rand(1))
+
+
+@pytest.mark.parametrize("name", list(HAND_QUANTIZED))
+def test_second_quantize_keeps_its_own_recipe(name):
+    """GEMM2's input, quantized by hand with any recipe and read by GEMM2 with any other: gate_up
+    re-quantizes with the quantize's recipe (dtype, group, global scale: its out_quant_* arguments) and
+    down_reduce reads with GEMM2's (its a_*), so the chain is fused and compiled equals eager. fused_experts
+    writes the two alike, so no other case tells them apart: gate_up's wired from GEMM2's arguments
+    instead passed the example models and the snapshots."""
+    made, read, scales, _ = HAND_QUANTIZED[name]
+    assert _one_layer_verdict(cases.HandQuantized(made, read, *_global_scales(scales), at="gemm2"), fusable=True) is None
 
 
 class TwoPlans(nn.Module):
@@ -345,12 +367,19 @@ class NearMiss(nn.Module):
         if miss == "x_scale_from_another_quantize":
             s1 = quantize(x * 2.0, fp8, tok, None, None)[1]
         h = grouped_gemm(q1, s1, None, fp8, tok, self.w13, None, None, None, "none", none, None, offsets, gather1, x.dtype)
-        a = activation_op(h, "silu", 1.702, 7.0, False)
+        if miss == "first_gemm_output_shifted":  # an aten op between GEMM1 and the activation
+            h = h + 0.5
+        if miss == "activation_in_aten":  # SwiGLU written in aten ops, not moe_ops.activation
+            a = torch.nn.functional.silu(h[:, : h.shape[1] // 2]) * h[:, h.shape[1] // 2 :]
+        else:
+            a = activation_op(h, "silu", 1.702, 7.0, False)
         q2, s2 = quantize(a, fp8, tok, None, None)
         if miss == "act_scale_from_another_quantize":
             s2 = quantize(a * 2.0, fp8, tok, None, None)[1]
         gather2 = gather_idx if miss == "second_gemm_gathers" else None
         y = grouped_gemm(q2, s2, None, fp8, tok, self.w2, None, None, None, "none", none, None, offsets, gather2, x.dtype)
+        if miss == "second_gemm_output_scaled":  # an aten op between GEMM2 and the reduction
+            y = y * 2.0
         out = weighted_reduce(y, topk_weights, inverse, offsets)
         other = {
             "first_gemm_output_also_returned": lambda: h * 2.0,
@@ -394,6 +423,11 @@ NEAR_MISSES = {
     "second_gemm_gathers": "the second GEMM gathers tokens, so it is not a down projection",
     "x_scale_from_another_quantize": "a GEMM's quantized input does not come from one moe_ops.quantize",
     "act_scale_from_another_quantize": "a GEMM's quantized input does not come from one moe_ops.quantize",
+    # An aten op where the chain needs a moe_ops one: match() must say so before it reads that node's
+    # arguments by the moe_ops schema's names (an aten node has none of them: a KeyError failed the compile).
+    "second_gemm_output_scaled": "the reduced rows do not come from a moe_ops.grouped_gemm",
+    "activation_in_aten": "the second GEMM's input does not come from a moe_ops.activation",
+    "first_gemm_output_shifted": "the activation's input does not come from a moe_ops.grouped_gemm",
 }
 
 
@@ -402,7 +436,7 @@ def test_near_miss_chain_is_not_fused(miss):
     """A chain one step away from a fusable one: an intermediate (a GEMM's output, a quantized input or
     its scale, the quantize itself: only a pass run before ours can make that graph) with a second user,
     a first GEMM that does not gather, a second GEMM that does, a GEMM reading q and scale from two
-    quantize calls. It is left unfused, explain() gives the reason, and compiled equals eager; the same chain without the near miss is fused. With a
+    quantize calls, an aten op where the chain has a moe_ops one. It is left unfused, explain() gives the reason, and compiled equals eager; the same chain without the near miss is fused. With a
     second-user check removed, the compiled output can still be right (the old nodes stay alive for the
     other user), so "not fused, and why" is what tells."""
     if miss == "x_quantize_read_again":
@@ -412,23 +446,46 @@ def test_near_miss_chain_is_not_fused(miss):
         assert NEAR_MISSES[miss] in reason
 
 
-@pytest.mark.parametrize("fused_first", [False, True])
-def test_explain_numbers_layers_in_graph_order(fused_first):
+def _as_kwargs(graph):
+    """A post_grad_custom_post_pass (it runs before the MoE pass) that passes every argument of the
+    chain's ops by name. Dynamo and AOT give custom ops positional arguments (also where the model
+    wrote keywords), but a pass run before ours may build such nodes. (Not routing_plan's: Inductor's
+    own lowering of a custom op reads its arguments by position, KeyError otherwise, and the MoE pass
+    replaces the chain's nodes but keeps the plan.)"""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in PRIMITIVES:
+            names = [a.name for a in node.target._schema.arguments]
+            node.kwargs = {**dict(zip(names, node.args)), **node.kwargs}
+            node.args = ()
+
+
+def test_chain_with_arguments_by_name_is_fused():
+    """The chain matcher reads each op's arguments by schema name whether a node passes them by position
+    or by name: the fp8 chain of NearMiss, rewritten to keywords, is fused as before (reading positional
+    arguments alone found no GEMM before the reduction and left it unfused)."""
+    inductor_config.post_grad_custom_post_pass = _as_kwargs  # for explain() too; the fixture restores it
+    assert _one_layer_verdict(NearMiss(None), fusable=True) is None
+
+
+# "FFU": explain() sorts its rows by each layer's place among the graph's weighted_reduce nodes; an
+# unfused layer whose place was lost (read as 0) still sorts right after one fused layer (FU, where the
+# sort is stable) but not after two.
+@pytest.mark.parametrize("order", ["UF", "FU", "FFU"])
+def test_explain_numbers_layers_in_graph_order(order):
     """explain()'s layer numbers follow the graph, fused and unfused layers alike: with the unfusable
     layer first, layer 0 is the one not fused."""
-    model = cases.UnfusedThenFused(fused_first)
+    model = cases.MixedLayers(order)
     batches = [inputs(128, 4, torch.float32, 9)]
     (out,), _, seen = run_compiled(model, batches)
     for got, want in zip(out, eager(model, batches)[0]):
         assert_close_to_eager(got, want, torch.float32)
     _, report, _ = seen[0]
-    assert len(report.fused) == 1 and len(report.unfused) == 1
+    assert len(report.fused) == order.count("F") and len(report.unfused) == order.count("U")
     explained = lowering.explain(model, *batches[0])
-    order = ["gate_up + down_reduce", "not fused"]
-    assert [r.fused for r in explained.layers] == (order if fused_first else order[::-1])
-    assert [r.layer for r in explained.layers] == [0, 1]
-    unfused = explained.layers[1 if fused_first else 0]
-    assert "another user" in unfused.backend
+    assert [r.fused for r in explained.layers] == ["gate_up + down_reduce" if c == "F" else "not fused" for c in order]
+    assert [r.layer for r in explained.layers] == list(range(len(order)))
+    for row in explained.layers:
+        assert ("another user" in row.backend) == (row.fused == "not fused")
 
 
 # ---- install / uninstall / enabled -------------------------------------------------------------
@@ -436,21 +493,32 @@ def test_explain_numbers_layers_in_graph_order(fused_first):
 
 class ScaledDownWeights(cases.Experts):
     """GEMM2's weights computed in the forward (a per-expert scale, as a dequantize would be): the
-    kernel making them is free to run right before down_reduce."""
+    kernel making them is free to run right before down_reduce. feeds_x: x is scaled by a value
+    computed from those weights, so gate_up needs them (through x, not as an input of its own)."""
 
-    def __init__(self):
+    def __init__(self, feeds_x: bool = False):
         super().__init__(*cases.float_weights(4, 128, 64))
         self.register_buffer("w2_scale", torch.rand(4, 1, 1) + 0.5)
+        self.feeds_x = feeds_x
 
     def forward(self, x, topk_weights, topk_ids):
-        return moe_ops.fused_experts(x, self.w13, self.w2 * self.w2_scale, topk_weights, topk_ids)
+        w2 = self.w2 * self.w2_scale
+        if self.feeds_x:
+            x = x * (1.0 + w2.mean())
+        return moe_ops.fused_experts(x, self.w13, w2, topk_weights, topk_ids)
 
 
-@pytest.mark.parametrize("model, early", [(CASES["bf16_swiglu"], True), (lambda: (ScaledDownWeights(), 128, 4, torch.float32), False)])
+@pytest.mark.parametrize(
+    "model, early",
+    [(CASES["bf16_swiglu"], True), (lambda: (ScaledDownWeights(), 128, 4, torch.float32), False),
+     (lambda: (ScaledDownWeights(feeds_x=True), 128, 4, torch.float32), True)],
+    ids=["weights_are_inputs", "weights_made_for_down_reduce", "weights_made_before_x"],
+)  # fmt: skip
 def test_weights_early_only_for_weights_made_before_gate_up(model, early):
     """down_reduce may load its weights before waiting for the kernel before it (weights_early) only
     when the graph shows they exist before gate_up runs: inputs (parameters, buffers) yes, weights
-    computed in the graph and not needed by gate_up no."""
+    computed in the graph and not needed by gate_up no, weights computed in the graph that gate_up
+    needs, here through x, yes (an ancestor of gate_up at any depth, not only one of its inputs)."""
     model, h, e, dtype = model()
     batches = [inputs(h, e, dtype, 9)]
     (out,), _, seen = run_compiled(model, batches)
@@ -498,6 +566,31 @@ def test_gate_up_gets_the_plans_ids_only_when_they_are_local(mapped):
     assert plan.target is torch.ops.moe_ops.routing_plan.default
     ids = fused.gate_up.args[-1]
     assert ids is None if mapped else ids is plan.args[0]
+
+
+def test_gate_up_gets_no_ids_when_the_offsets_are_not_a_plans():
+    """A hand-written chain whose expert_offsets pass through another op returning a tuple (a sort of
+    the already sorted offsets: the same values) is fused, without the weight hint: the pass can vouch
+    for the ids of a routing_plan only (reading any getitem's producer as one, with the plan's argument
+    names, failed the compile with a KeyError)."""
+    none = [-1, -1]
+    w13, w2 = torch.randn(E, 2 * I, H) / H**0.5, torch.randn(E, H, I) / I**0.5
+
+    def layer(x, topk_weights, topk_ids):
+        offsets, gather_idx, inverse = routing_plan(topk_ids, E, None)
+        offsets = torch.sort(offsets).values
+        h = grouped_gemm(x, None, None, "none", none, w13, None, None, None, "none", none, None, offsets, gather_idx, x.dtype)
+        a = activation_op(h, "silu", 1.702, 7.0, False)
+        y = grouped_gemm(a, None, None, "none", none, w2, None, None, None, "none", none, None, offsets, None, x.dtype)
+        return weighted_reduce(y, topk_weights, inverse, offsets)
+
+    batches = [(torch.randn(m, H), *moe_ops.route(torch.randn(m, E), TOP_K)) for m in (1, 9)]
+    outs, _, seen = run_compiled(layer, batches)
+    for out, ref in zip(outs, eager(layer, batches)):
+        assert_close_to_eager(out, ref, torch.float32)
+    (fused,) = seen[0][1].fused
+    assert fused.gate_up.args[12].args[0].target is not torch.ops.moe_ops.routing_plan.default
+    assert fused.gate_up.args[-1] is None
 
 
 class CountingPass(CustomGraphPass):
