@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import re
 
 import pytest
 import torch
@@ -412,6 +413,78 @@ def test_int4_k_not_multiple_of_group(no_ops):
     assert no_ops == []
 
 
+# ---- backends: which device runs which scheme ----------------------------------------------------
+
+BACKENDS = importlib.import_module("moe_ops.backends")
+# The schemes that store or compute float8_e4m3fn (fp8 weights or activations, nvfp4's e4m3 scales,
+# mxfp4_w4a8's fp8 activations), written out here rather than read from moe_ops.backends.
+FP8_SCHEMES = {"fp8_w8a8_per_tensor", "fp8_w8a8_per_token", "fp8_w8a8_block", "fp8_w8a16", "nvfp4_w4a16", "nvfp4_w4a4", "mxfp4_w4a8"}
+
+
+@pytest.mark.parametrize("scheme", sorted(quant.SCHEMES))
+def test_device_without_float8_rejects_exactly_the_fp8_schemes(scheme):
+    # MPS has no float8_e4m3fn tensors: a scheme that needs them is refused there by name, every other runs.
+    mps = torch.device("mps")
+    if scheme in FP8_SCHEMES:
+        with pytest.raises(ValueError, match=rf"quant_config: scheme {scheme} cannot run on mps: mps has no float8_e4m3fn tensors"):
+            BACKENDS.check_device_supports(scheme, mps)
+    else:
+        BACKENDS.check_device_supports(scheme, mps)
+    for dev in ("cpu", "cuda", "meta"):
+        BACKENDS.check_device_supports(scheme, torch.device(dev))
+
+
+def test_unknown_device_type_is_refused_with_the_known_ones():
+    s = BACKENDS.reference_support("unquantized", "xpu")
+    assert not s.supported and s.reason == "device type 'xpu' is not one of cpu, cuda, meta, mps"
+    with pytest.raises(ValueError, match=r"quant_config: scheme unquantized cannot run on xpu: device type 'xpu'"):
+        BACKENDS.check_device_supports("unquantized", torch.device("xpu"))
+
+
+def test_fused_experts_asks_the_backends_before_any_op(monkeypatch, no_ops):
+    # No device here lacks float8 (mps is not available), so meta stands in for one: the check must
+    # come from the backend table, before any op runs.
+    monkeypatch.setitem(BACKENDS._REFERENCE_DEVICES, "meta", (torch.float8_e4m3fn,))
+    kw = _map_tensors(_quantized(FP8_TOKEN), lambda t: t.to("meta"))
+    with pytest.raises(ValueError, match=r"quant_config: scheme fp8_w8a8_per_token cannot run on meta: meta has no float8_e4m3fn"):
+        _call(kw)
+    assert no_ops == []
+    with pytest.raises(_OpCalled):  # the unquantized layer on the same device is let through
+        _call(_map_tensors(_inputs(), lambda t: t.to("meta")))
+
+
+# (device, dtype, capability) -> the reason cute_support gives, None where it serves the call
+CUTE_CASES = {
+    "sm90_bf16": ("cuda", torch.bfloat16, (9, 0), None),
+    "sm90_fp16": ("cuda", torch.float16, (9, 0), None),
+    "sm90_fp32": ("cuda", torch.float32, (9, 0), r"activations in torch.float32; the kernels take \(torch.bfloat16, torch.float16\)"),
+    "sm100": ("cuda", torch.bfloat16, (10, 0), r"the kernels use Hopper's wgmma and TMA \(sm_90\), device is \(10, 0\)"),
+    "sm80": ("cuda", torch.bfloat16, (8, 0), r"device is \(8, 0\)"),
+    "cpu": ("cpu", torch.bfloat16, (9, 0), r"the CuTe DSL kernels run on CUDA GPUs only"),
+}
+
+
+@pytest.mark.parametrize("case", list(CUTE_CASES))
+def test_cute_support_reasons(case):
+    device, dtype, capability, reason = CUTE_CASES[case]
+    s = BACKENDS.cute_support("unquantized", device, dtype, capability=capability)
+    assert s.supported == (reason is None), s
+    if reason is not None:
+        assert re.search(reason, s.reason), s.reason
+
+
+def test_support_table_rows():
+    """One row per scheme: the reference serves every scheme on CPU and CUDA; the CuTe DSL kernels
+    (bf16, sm_90) only the unquantized one, with the reason printed for the others (quantized schemes
+    run on the reference even on a Hopper GPU)."""
+    rows = BACKENDS.support_table().splitlines()[2:]
+    assert [r.split(" | ")[0].removeprefix("| ") for r in rows] == list(quant.SCHEMES)
+    for row in rows:
+        scheme, ref_cpu, ref_cuda, cute = (c.strip() for c in row.strip("| ").split(" | "))
+        assert ref_cpu == ref_cuda == "yes", row
+        assert cute == ("yes" if scheme == "unquantized" else "no: " + BACKENDS.CUTE_NOT_YET), row
+
+
 # ---- the quantization vocabulary -----------------------------------------------------------------
 
 
@@ -445,6 +518,13 @@ BAD_VOCAB = [
     ("weight_mxfp4_group", lambda: WeightQuant("mxfp4", GroupShape(1, 16)), ValueError, r"WeightQuant.group: mxfp4 uses groups of 1x32"),
     ("weight_zero_point_fp8", lambda: WeightQuant("fp8", PER_CHANNEL, zero_point=True), ValueError,
      r"WeightQuant.zero_point: only int4 has zero points, got dtype 'fp8'"),
+    # group shapes of no kind of their format (rows x cols neither square nor 1 x G, or per-tensor int8)
+    ("weight_fp8_64x128", lambda: WeightQuant("fp8", GroupShape(64, 128)), ValueError,
+     r"WeightQuant.group: 64x128 is not a fp8 group shape; allowed kinds: per-tensor, per-row, GxG"),
+    ("weight_int8_4_rows", lambda: WeightQuant("int8", GroupShape(4, -1)), ValueError,
+     r"WeightQuant.group: 4x-1 is not a int8 group shape; allowed kinds: per-row, 1xG"),
+    ("weight_int8_per_tensor", lambda: WeightQuant("int8", PER_TENSOR), ValueError,
+     r"WeightQuant.group: per-tensor is not a int8 group shape; allowed kinds: per-row, 1xG"),
     ("scheme_nvfp4_act_fp8_weight", lambda: QuantScheme(ActivationQuant("nvfp4", GroupShape(1, 16)), WeightQuant("fp8", PER_CHANNEL)),
      ValueError, r"QuantScheme: activations nvfp4 1xG with weights fp8 per-row is not supported; allowed: .*"
                  r"fp8_w8a8_per_token: activations fp8 per-row, weights fp8 per-row.*nvfp4_w4a4: activations nvfp4 1xG, weights nvfp4 1xG"),
@@ -464,8 +544,11 @@ BAD_VOCAB = [
     ("config_missing_global", lambda: QuantConfig(QuantScheme(None, WeightQuant("nvfp4", GroupShape(1, 16))),
                                                   w13_scale=torch.ones(1), w2_scale=torch.ones(1)),
      ValueError, r"QuantConfig.w13_global_scale: required by scheme nvfp4_w4a16"),
+    # the scheme's description names what the name does not: static scales, zero points
     ("config_missing_static", lambda: QuantConfig(FP8_STATIC, *(torch.ones(E, 1, 1),) * 2), ValueError,
-     r"QuantConfig.a13_scale: required by scheme fp8_w8a8_per_tensor"),
+     r"QuantConfig.a13_scale: required by scheme fp8_w8a8_per_tensor \(activations fp8 per-tensor static; weights fp8 per-tensor\)"),
+    ("config_missing_zero", lambda: QuantConfig(INT4_G32_ZP, *_fp8_scales()), ValueError,
+     r"QuantConfig.w13_zero: required by scheme int4_w4a16 \(activations bf16/fp16/fp32; weights int4 1x32 zero-point\), got None"),
     ("config_extra_scale", lambda: QuantConfig(FP8_TOKEN, *_fp8_scales(), a13_scale=torch.ones(1)), ValueError,
      r"QuantConfig.a13_scale: given, but scheme fp8_w8a8_per_token .* does not use it; it uses: w13_scale, w2_scale"),
     ("config_unquantized_scale", lambda: QuantConfig(quant.UNQUANTIZED, w13_scale=torch.ones(1)), ValueError,
@@ -669,12 +752,40 @@ def test_activation_rejects(build, match):
         (lambda: moe_ops.Activation("swigluoai", alpha=None), TypeError, r"activation.alpha: expected a real number, got NoneType None"),
         (lambda: moe_ops.Activation("swigluoai", limit="7"), TypeError, r"activation.limit: expected a real number, got str '7'"),
         (lambda: moe_ops.Activation("swigluoai", alpha=float("nan")), ValueError, r"activation.alpha: got nan"),
+        (lambda: moe_ops.Activation("swigluoai", alpha=True), TypeError, r"activation.alpha: expected a real number, got bool True"),
     ],
-    ids=["kind_list", "interleaved_str", "alpha_none", "limit_str", "alpha_nan"],
+    ids=["kind_list", "interleaved_str", "alpha_none", "limit_str", "alpha_nan", "alpha_bool"],
 )
 def test_activation_rejects_field_types(build, exc, match):
     with pytest.raises(exc, match=match):
         build()
+
+
+# ---- expert_intermediates --------------------------------------------------------------------------
+
+# Its other argument errors are in test_calibration.py; these were accepted: an int bias was cast to
+# float, and tensors on two devices reached the ops.
+BAD_INTERMEDIATES = [
+    ("bias_int", _with(w13_bias=torch.zeros(E, 2 * I, dtype=torch.int32)), TypeError,
+     r"w13_bias: dtype torch.int32 is not allowed; allowed: torch.float32, torch.float16, torch.bfloat16, torch.float64"),
+    ("w13_on_meta", _edit("w13", lambda w: w.to("meta")), ValueError, r"w13: on meta, but hidden_states is on cpu"),
+    ("bias_on_meta", _with(w13_bias=torch.zeros(E, 2 * I, device="meta")), ValueError, r"w13_bias: on meta, but hidden_states is on cpu"),
+]
+
+
+def _intermediates_call(kw: dict):
+    kw = {n: v for n, v in kw.items() if n not in ("w2", "topk_weights")}
+    return moe_ops.expert_intermediates(kw.pop("hidden_states"), kw.pop("w13"), kw.pop("topk_ids"), **kw)
+
+
+@pytest.mark.parametrize("mutate, exc, match", [c[1:] for c in BAD_INTERMEDIATES], ids=[c[0] for c in BAD_INTERMEDIATES])
+def test_expert_intermediates_rejects(no_ops, mutate, exc, match):
+    with pytest.raises(_OpCalled):  # the unmodified inputs are valid
+        _intermediates_call(_inputs())
+    no_ops.clear()
+    with pytest.raises(exc, match=match):
+        _intermediates_call(mutate(_inputs()))
+    assert no_ops == []
 
 
 # ---- the registered ops, called directly ----------------------------------------------------------
@@ -703,6 +814,8 @@ BAD_OPS = [
      TypeError, r"expert_map: dtype torch.float32 is not allowed; allowed: torch.int32, torch.int64"),
     ("plan_2d_map", lambda: (torch.ops.moe_ops.routing_plan, (_IDS, 4, torch.arange(4).view(2, 2))),
      ValueError, r"expert_map: expected 1-D \[E_global\], got shape \(2, 2\)"),
+    ("plan_map_on_meta", lambda: (torch.ops.moe_ops.routing_plan, (_IDS, 4, torch.arange(4, device="meta"))),
+     ValueError, r"expert_map: on meta, but topk_ids is on cpu; all tensors must share one device"),
 ]
 
 

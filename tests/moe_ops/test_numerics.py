@@ -560,23 +560,40 @@ def test_nan_token_does_not_poison_a_per_tensor_dynamic_scale(case):
     assert_close_rel(out[keep], without, 1e-6, "the other tokens, against the layer without the NaN token")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["silu", "relu2"])
-def test_apply_router_weight_on_input(activation):
+def test_apply_router_weight_on_input(activation, dtype):
+    """The weighted input is rounded back to the layer's dtype, as a bf16 layer stores it: the output
+    stays bf16 (a float32 product would carry float32 through both GEMMs and return float32)."""
     gated = activation != "relu2"
-    x, w13, w2, tw, ids = random_layer(23, 64, 32, 5, 1, gated)
+    x, w13, w2, tw, ids = random_layer(23, 64, 32, 5, 1, gated, dtype)
     tw = tw * 3  # far from 1, so input- and output-side weighting differ
     out = fused_experts(x, w13, w2, tw, ids, activation=activation, apply_router_weight_on_input=True)
-    ref = moe_float64(x, w13, w2, tw, ids, activation=activation, apply_router_weight_on_input=True)
-    assert_close_rel(out, ref, tolerance(torch.float32), "apply_router_weight_on_input")
-    other = moe_float64(x, w13, w2, tw, ids, activation=activation)
-    assert relative_error(out, other) > 10 * tolerance(torch.float32)
+    assert out.dtype == dtype
+    inter = torch.bfloat16 if dtype == torch.bfloat16 else None
+    ref = moe_float64(x, w13, w2, tw, ids, activation=activation, apply_router_weight_on_input=True, intermediate_dtype=inter)
+    assert_close_rel(out, ref, tolerance(dtype), "apply_router_weight_on_input")
+    other = moe_float64(x, w13, w2, tw, ids, activation=activation, intermediate_dtype=inter)
+    assert relative_error(out, other) > 10 * tolerance(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_zero_tokens(dtype):
+@pytest.mark.parametrize("strided", [False, True])
+def test_zero_tokens(dtype, strided):
+    # A view with no rows, e.g. of a wider buffer, has strides that describe nothing: no layout to reject.
+    x = torch.randn(0, 128)[:, ::2] if strided else torch.randn(0, 64)
     _, w13, w2, _, _ = random_layer(1, 64, 32, 4, 2, dtype=dtype)
-    out = fused_experts(torch.randn(0, 64).to(dtype), w13, w2, torch.rand(0, 2), torch.zeros(0, 2, dtype=torch.int32))
+    out = fused_experts(x.to(dtype), w13, w2, torch.rand(0, 2), torch.zeros(0, 2, dtype=torch.int32))
     assert out.shape == (0, 64) and out.dtype == dtype
+
+
+def test_empty_expert_matrices_have_no_layout_to_check():
+    """I = 0: each expert's matrices hold no element, so their strides (here neither row- nor column-major,
+    as an empty view can have) are not checked, and the layer adds nothing: exact zeros."""
+    x, w13, _, tw, ids = random_layer(5, 32, 0, 4, 2)
+    w2 = torch.randn(32, 0, 4).permute(2, 0, 1)  # [E, H, 0], strides (1, 4, 4)
+    out = fused_experts(x, w13, w2, tw, ids)
+    assert torch.equal(out, torch.zeros(5, 32))
 
 
 @pytest.mark.parametrize("case", ["unquantized", "fp8_w8a8_per_tensor_dynamic", "nvfp4_w4a4", "int8_w8a8_static"])
@@ -621,6 +638,24 @@ def test_column_major_weights():
     w2_cm = w2.transpose(1, 2).contiguous().transpose(1, 2)
     out = fused_experts(x, w13_cm, w2_cm, tw, ids)
     assert_close_rel(out, moe_float64(x, w13, w2, tw, ids), tolerance(torch.float32), "column-major")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_expert_intermediates_apply_the_whole_activation(dtype):
+    """expert_intermediates (GEMM2's calibration inputs) applies the Activation it is given, parameters
+    and layout included, not just its kind: a gpt-oss SwiGLU with its own alpha and limit, interleaved,
+    with a bias, against float64 rows in pair order, grouped by expert (stable within one). It computes
+    in float32 whatever the samples' dtype, float64 (which no op takes) included."""
+    num_experts, hidden, inter, m, top_k = 4, 32, 16, 11, 2
+    act = Activation("swigluoai", alpha=1.2, limit=1.5, interleaved=True)
+    x, w13, _, _, ids = random_layer(m, hidden, inter, num_experts, top_k, dtype=dtype, w_scale=3.0)
+    b13 = torch.randn(num_experts, 2 * inter).to(dtype)
+    out = moe_ops.expert_intermediates(x, w13, ids, activation=act, w13_bias=b13)
+    e = ids.flatten().long()
+    pre = torch.einsum("ph,pnh->pn", x.double().repeat_interleave(top_k, 0), w13.double()[e]) + b13.double()[e]
+    assert (pre.abs() > act.limit).any()  # the clamps are exercised
+    want = apply_activation(pre, act.kind, act.alpha, act.limit, act.interleaved)
+    assert_close_rel(out, want[e.argsort(stable=True)], tolerance(torch.float32), "expert_intermediates")
 
 
 # ==== routing_plan ================================================================================
