@@ -5,10 +5,11 @@ moe_ops.gate_up and moe_ops.down_reduce, whose CUDA kernels come from cute_kerne
     lowering.install()                       # or: with lowering.enabled(): ...
     model = torch.compile(model)             # every MoE layer now runs as two fused ops
     print(lowering.explain(model, x))        # the post-pass graph and a table per MoE layer
+    with lowering.recording() as fused: ...  # the same for whatever compiles inside the block
 """
 from . import fused_ops  # registers moe_ops::gate_up and moe_ops::down_reduce
-from .explain import Explanation, explain
+from .explain import Explanation, explain, recording
 from .graph_pass import MoEFusionPass, fuse
 from .install import enabled, install, installed, uninstall
 
-__all__ = ["Explanation", "MoEFusionPass", "enabled", "explain", "fuse", "install", "installed", "uninstall", "fused_ops"]
+__all__ = ["Explanation", "MoEFusionPass", "enabled", "explain", "fuse", "install", "installed", "recording", "uninstall", "fused_ops"]

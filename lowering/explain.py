@@ -1,7 +1,9 @@
 """explain(): compile with the pass and show what was fused, how it will run, and what was not and why."""
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -209,22 +211,32 @@ class Explanation:
         return f"{self.graph}\n\n{self.table()}"
 
 
-def explain(fn_or_module, *example_inputs, dynamic: bool = True, **compile_kwargs) -> Explanation:
-    """Compile fn_or_module(*example_inputs) with the MoE pass (fullgraph, dynamic by default) and
-    return the Explanation. The FX graph cache is bypassed here, so the pass always runs."""
-    from torch._inductor.utils import run_and_get_code
-
+@contextlib.contextmanager
+def recording() -> Iterator[Explanation]:
+    """Context manager: the pass is installed inside (as enabled() does), and the yielded Explanation
+    gets, when the block ends, the post-pass graph and the MoE layer rows of every graph Inductor
+    compiled inside it (its code_lines stay empty: explain() reads the output code). The FX graph
+    cache is bypassed inside, so that every compile runs the pass: a cache hit would record nothing."""
     sink: list = []
-    compiled = torch.compile(fn_or_module, fullgraph=True, dynamic=dynamic, **compile_kwargs)
+    out = Explanation()
     with enabled() as moe_pass, torch._inductor.config.patch(fx_graph_cache=False):
         moe_pass.listeners.append(sink)
         try:
-            with torch.no_grad():
-                _, sources = run_and_get_code(compiled, *example_inputs)
+            yield out
         finally:
             moe_pass.listeners.remove(sink)
-    out = Explanation(code_lines=normalize_code_lines(sources))
-    for graph, report in sink:
-        out.graphs.append(normalize_graph(graph))
-        out.layers += _rows(report, len(out.layers))
+            for graph, report in sink:
+                out.graphs.append(normalize_graph(graph))
+                out.layers += _rows(report, len(out.layers))
+
+
+def explain(fn_or_module, *example_inputs, dynamic: bool = True, **compile_kwargs) -> Explanation:
+    """Compile fn_or_module(*example_inputs) with the MoE pass (fullgraph, dynamic by default), run it
+    once under no_grad and return the Explanation, with the output code's lines that call moe_ops."""
+    from torch._inductor.utils import run_and_get_code
+
+    compiled = torch.compile(fn_or_module, fullgraph=True, dynamic=dynamic, **compile_kwargs)
+    with recording() as out, torch.no_grad():
+        _, sources = run_and_get_code(compiled, *example_inputs)
+    out.code_lines = normalize_code_lines(sources)
     return out

@@ -1,6 +1,8 @@
 """python -m moe_ops: route and run a small Qwen3-MoE-shaped layer (random weights) eagerly and under
-torch.compile(fullgraph=True, dynamic=True), check both against the float64 reference, print a table.
-Runs on the GPU when there is one (bf16), else on the CPU (float32)."""
+torch.compile(fullgraph=True, dynamic=True) with the lowering installed, check both against the float64
+reference, print a table, then what the lowering fused and which backend runs it (on a Hopper GPU the
+CuTe DSL kernels; elsewhere the fused ops' reference). Runs on the GPU when there is one (bf16), else
+on the CPU (float32)."""
 from __future__ import annotations
 
 import argparse
@@ -43,6 +45,8 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device: {args.device} asked for, but torch.cuda.is_available() is False")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    import lowering  # the demo shows the compiler's side too; moe_ops itself does not need it
+
     torch.manual_seed(0)
     layer = FusedMoE(**DEFAULT, dtype=dtype, device=device)
     compiled = torch.compile(layer, fullgraph=True, dynamic=True)
@@ -53,21 +57,22 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|")
     failed = False
     shape = f"({DEFAULT['num_experts']}, {DEFAULT['top_k']}, {DEFAULT['hidden_size']}, {DEFAULT['intermediate_size']})"
-    for m in args.tokens:
-        x = torch.randn(m, DEFAULT["hidden_size"], device=device, dtype=dtype)
-        with torch.no_grad():
-            tw, ti = layer.routing_for(x)
-            ref = moe_float64(x, w13, w2, tw, ti, intermediate_dtype=dtype if dtype != torch.float32 else None)
-            for mode, fn in (("eager", layer), ("compiled", compiled)):
-                with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-                    out = fn(x)
-                    ms = _time(fn, x, args.repeats)
-                err = relative_error(out, ref)
-                worst = ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item() if m else 0.0
-                failed |= not err <= tol
-                print(f"| {mode} | {m} | {shape} | {str(dtype).removeprefix('torch.')} | {worst:.2e} | {err:.2e} | {ms:.2f} |")
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    print(f"compiled graphs: {graphs} for {len(args.tokens)} token counts")
+    with lowering.recording() as fused:
+        for m in args.tokens:
+            x = torch.randn(m, DEFAULT["hidden_size"], device=device, dtype=dtype)
+            with torch.no_grad():
+                tw, ti = layer.routing_for(x)
+                ref = moe_float64(x, w13, w2, tw, ti, intermediate_dtype=dtype if dtype != torch.float32 else None)
+                for mode, fn in (("eager", layer), ("compiled", compiled)):
+                    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+                        out = fn(x)
+                        ms = _time(fn, x, args.repeats)
+                    err = relative_error(out, ref)
+                    worst = ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item() if m else 0.0
+                    failed |= not err <= tol
+                    print(f"| {mode} | {m} | {shape} | {str(dtype).removeprefix('torch.')} | {worst:.2e} | {err:.2e} | {ms:.2f} |")
+    print(f"compiled graphs: {len(fused.graphs)} for {len(args.tokens)} token counts; what the lowering did to each MoE layer:")
+    print(fused.table())
     print(f"tolerance {tol:.0e} (relative L2 error against the float64 reference): {'FAILED' if failed else 'ok'}")
     return 1 if failed else 0
 

@@ -191,3 +191,28 @@ def test_explain_passes_dynamic_on(bf16_layer):
     assert "bf16[7, 128]" in static and "S0" not in static
     assert "bf16[S0, 128]" in dynamic and "bf16[7, 128]" not in dynamic
 
+
+def test_recording_reports_what_compiles_inside_the_block(bf16_layer, tmp_path, monkeypatch):
+    """recording() sees every graph compiled inside it, also past a warm FX graph cache, and nothing
+    compiled after it; the pass is uninstalled again at its end. Its rows are explain()'s. (Dynamo's
+    own cache is reset before each compile: a frame Dynamo already compiled is not compiled again.)"""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a fresh, empty FX graph cache
+
+    def compile_and_run():
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(model, fullgraph=True, dynamic=True)(*args)
+
+    model, args = bf16_layer
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        with lowering.enabled():
+            compile_and_run()  # warms the FX graph cache with this very graph
+        with lowering.recording() as fused:
+            assert lowering.installed() is not None
+            compile_and_run()
+            assert fused.layers == []  # filled when the block ends
+        assert lowering.installed() is None
+        compile_and_run()
+    expected = lowering.explain(model, *args)
+    assert fused.layers == expected.layers and fused.graph == expected.graph
+    assert len(fused.graphs) == 1 and fused.code_lines == []

@@ -1,6 +1,7 @@
-"""`python -m moe_ops`'s arguments: bad ones are argparse errors (exit status 2 with a message naming
-the argument) before any layer is built. They were tracebacks: a RuntimeError for --tokens -1, a
-StatisticsError for --repeats 0, an AssertionError for --device cuda without CUDA."""
+"""`python -m moe_ops`: bad arguments are argparse errors (exit status 2 with a message naming the
+argument) before any layer is built (they were tracebacks: a RuntimeError for --tokens -1, a
+StatisticsError for --repeats 0, an AssertionError for --device cuda without CUDA); the demo's verdict
+and what it shows of the lowering."""
 from __future__ import annotations
 
 import re
@@ -50,7 +51,13 @@ def test_the_demo_passes_on_the_cpu_and_fails_when_its_check_does(monkeypatch, c
 
     monkeypatch.setattr(demo, "tolerance", tolerance)
     assert main(["--device", "cpu", "--tokens", "3", "--repeats", "1"]) == 0
-    assert asked == [torch.float32] and capsys.readouterr().out.rstrip().endswith(": ok")
+    out = capsys.readouterr().out
+    assert asked == [torch.float32] and out.rstrip().endswith(": ok")
+    # The compiled rows ran the lowering's fused ops, and the demo says so: one MoE layer fused, on the
+    # CPU by the reference (on a Hopper GPU the same row names the CuTe DSL kernels).
+    fused_rows = [line for line in out.splitlines() if line.startswith("| 0 | gate_up + down_reduce | act=silu;")]
+    assert len(fused_rows) == 1 and "gate_up: reference (cpu" in fused_rows[0], out
+    assert "compiled graphs: 1 for 1 token counts" in out
     monkeypatch.setattr(demo, "tolerance", lambda dtype: 0.0)
     assert main(["--device", "cpu", "--tokens", "3", "--repeats", "1"]) == 1
     assert capsys.readouterr().out.rstrip().endswith(": FAILED")
