@@ -46,6 +46,7 @@ def label(node: Node) -> str:
 
 
 def is_op(node, name: str) -> bool:
+    """Whether `node` calls the moe_ops op OPS[name]."""
     return isinstance(node, Node) and node.op == "call_function" and node.target == OPS[name]
 
 
@@ -71,6 +72,8 @@ class Chain:
 
 @dataclass
 class Unfused:
+    """A weighted_reduce the pass left alone, and why (explain()'s reason column)."""
+
     reduce: Node
     reason: str
     position: int = 0  # as Chain.position

@@ -128,6 +128,8 @@ def normalize_code_lines(sources: list[str]) -> list[str]:
 
 @dataclass
 class LayerRow:
+    """One MoE layer's row of explain()'s table."""
+
     layer: int
     fused: str
     recipe: str
@@ -197,14 +199,17 @@ class Explanation:
 
     @property
     def graph(self) -> str:
+        """Every compiled graph's normalised post-pass FX graph, blank-line separated."""
         return "\n\n".join(self.graphs)
 
     def table(self) -> str:
+        """The markdown table: one row per MoE layer (fused ops, recipe, dtypes, backend or reason)."""
         lines = ["| layer | fused ops | recipe | dtypes | backend / reason |", "|---|---|---|---|---|"]
         lines += [f"| {r.layer} | {r.fused} | {r.recipe} | {r.dtypes} | {r.backend} |" for r in self.layers]
         return "\n".join(lines)
 
     def code(self) -> str:
+        """The output-code lines that call moe_ops ops."""
         return "\n".join(self.code_lines)
 
     def __str__(self) -> str:

@@ -32,6 +32,8 @@ class Fused:
 
 @dataclass
 class PassReport:
+    """What one run of the pass did to a graph: the chains it fused and those it declined."""
+
     fused: list[Fused]
     unfused: list[Unfused]
 
@@ -141,6 +143,7 @@ class MoEFusionPass(CustomGraphPass):
             sink.append((graph, report))
 
     def uuid(self):
+        """The FX graph cache's key for the pass: our sources' hash, with any previous pass's uuid."""
         ours = get_hash_for_files(SOURCES).hex()
         prev = self.previous
         if prev is None:

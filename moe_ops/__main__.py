@@ -33,6 +33,8 @@ def _time(fn, x, repeats: int) -> float:
 
 
 def main(argv=None) -> int:
+    """The demo: prints the error table and what was fused; returns 0 when every relative L2 error is
+    within the dtype's tolerance, else 1."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tokens", type=_checks.argparse_int(0), nargs="+", default=[1, 16, 128])

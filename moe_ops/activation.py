@@ -75,6 +75,8 @@ def resolve_activation(activation) -> Activation:
 
 
 def split_gate_up(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, 2I] -> (gate, up), each [rows, I] views: even and odd columns when interleaved, else the
+    first and second halves."""
     if interleaved:
         return x[:, 0::2], x[:, 1::2]
     half = x.shape[1] // 2

@@ -32,6 +32,8 @@ CUTE_NOT_YET = "no CuTe DSL kernel for this scheme yet; runs on the reference"
 
 @dataclass(frozen=True)
 class Support:
+    """One cell of the support table: whether `backend` runs `scheme` on `device`, and the reason."""
+
     backend: str
     scheme: str
     device: str
@@ -40,6 +42,8 @@ class Support:
 
 
 def reference_support(scheme: str, device: torch.device | str) -> Support:
+    """Whether the reference runs `scheme` on `device`: any device type it knows whose tensors have the
+    storage dtypes the scheme needs (no float8 on MPS)."""
     dev = torch.device(device).type
     if dev not in _REFERENCE_DEVICES:
         return Support("reference", scheme, dev, False, f"device type {dev!r} is not one of {', '.join(_REFERENCE_DEVICES)}")

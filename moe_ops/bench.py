@@ -275,6 +275,7 @@ def compile_times(name: str) -> dict:
 
 
 def git_commit() -> str:
+    """The commit the records name: $MOE_OPS_COMMIT when set (a tree copied without .git), else HEAD."""
     if os.environ.get("MOE_OPS_COMMIT"):
         return os.environ["MOE_OPS_COMMIT"]
     try:
@@ -284,12 +285,14 @@ def git_commit() -> str:
 
 
 def progress(i: int, n: int, label: str) -> None:
+    """Redraws the progress bar on stderr: point i of n, labelled."""
     width = 30
     done = width * i // n
     print(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {label:<40}", end="" if i < n else "\n", file=sys.stderr, flush=True)
 
 
 def run(shapes, tokens, replays: int) -> list[dict]:
+    """Times every (shape, M) point on the current GPU: one record per point (the keys of results.json)."""
     import lowering
     from moe_ops import fused_experts
 
@@ -334,6 +337,7 @@ def run(shapes, tokens, replays: int) -> list[dict]:
 
 
 def table(records: list[dict]) -> str:
+    """The markdown table of results.md: a header line with the run's ceilings, then one row per record."""
     r0 = records[0]
     lines = [
         f"GPU: {r0['gpu']}; torch {r0['torch']}; commit {r0['commit'][:12]}; measured copy bandwidth "
@@ -354,6 +358,7 @@ def table(records: list[dict]) -> str:
 
 
 def plot(records: list[dict], path: Path) -> None:
+    """Writes results.png (µs and % of SoL per point) to path; skipped with a message without matplotlib."""
     try:
         import matplotlib
 
@@ -383,6 +388,7 @@ def plot(records: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
+    """The command line (python -m moe_ops.bench); returns the exit status (2 without a CUDA GPU, else 0)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=_checks.argparse_int(1), default=list(TOKENS))

@@ -26,6 +26,8 @@ _UNQUANTIZED_CONFIG = QuantConfig(UNQUANTIZED)
 
 @dataclass(frozen=True)
 class LayerShape:
+    """The layer's sizes as fused_experts' arguments give them, after their checks."""
+
     num_experts: int  # local experts (w13.shape[0])
     num_global_experts: int  # valid ids are [0, this); len(expert_map) or num_experts
     hidden: int

@@ -130,6 +130,8 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
 
 
 def install_hook() -> None:
+    """Register "moe_ops" now if transformers' moe module is imported, else when it is (importing
+    moe_ops must not import transformers: it is optional and slow to import)."""
     if _MODULE in sys.modules:
         register()
     elif importlib.util.find_spec("transformers") is not None and not any(
