@@ -412,3 +412,22 @@ def test_activation_quantize_shapes_and_values(fmt, group, k, q_dtype, q_cols, s
         assert (err <= full * (0.5 + 1e-5)).all()
     else:
         assert (err <= _e2m1_half_step(v) * full * (1 + 1e-6)).all()
+
+
+def test_e8m0_encode_scales_at_or_below_the_smallest_power_are_code_0():
+    """Code 0 is 2**-127, e8m0's smallest scale: 2**-127 itself and any smaller positive scale (float32
+    subnormals: the scale of a block of tiny values) or zero (an all-zero block) encode as 0, the
+    smallest power of two >= the scale (they came back as code 1 = 2**-126, halving such blocks'
+    precision, with the powers-of-two test starting at 2**-126)."""
+    tiny = torch.exp2(-127 - torch.rand(32) * 20)  # (2**-147, 2**-127]: float32 subnormals
+    scale = torch.cat((torch.tensor([2.0**-127, 0.0]), tiny))
+    assert formats.e8m0_encode(scale).tolist() == [0] * scale.numel()
+    assert formats.e8m0_encode(torch.tensor([2.0**-126, 2.0**-127 * 1.5])).tolist() == [1, 1]
+    # a block of such values gets code 0 and decodes within half an e2m1 step of 2**-127 units
+    x = torch.randn(2, 3, 32) * 2.0**-131
+    assert x.abs().max() / 6 < 2.0**-127
+    packed, code = formats.quantize_mxfp4(x)
+    assert code.eq(0).all(), code.tolist()
+    deq = formats.dequantize(packed, "mxfp4", (1, 32), code).double()
+    v = x.double() / 2.0**-127
+    assert ((deq - x.double()).abs() <= _e2m1_half_step(v) * 2.0**-127 * (1 + 1e-6)).all()

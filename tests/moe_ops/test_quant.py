@@ -4,6 +4,8 @@ against float64 re-computations on fresh random inputs, the moe_ops::quantize op
 and calibration checks) and the validation of the tensor-free dataclasses."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -568,3 +570,170 @@ def test_static_activation_scales_reject_empty_samples(empty):
         quant.static_activation_scales(static, **samples)
     scales = quant.static_activation_scales(static, torch.full((2, H), 448.0), torch.full((2, I), -896.0))
     assert scales["a13_scale"].tolist() == [1.0] and scales["a2_scale"].tolist() == [2.0]  # amax / 448
+
+
+# ---- mutation round: behaviours the suite did not pin ----------------------------------------------
+
+
+@pytest.mark.parametrize("k,group_size", [(33, 11), (21, 3)])
+@pytest.mark.parametrize("zero_point", [False, True])
+def test_quantize_int4_rejects_odd_k_that_its_group_divides(k, group_size, zero_point):
+    """An odd K that an odd group size divides (33 in groups of 11) cannot be packed two per byte: the
+    same ValueError naming the shape, not a broadcast RuntimeError from nibble packing."""
+    with pytest.raises(ValueError, match=rf"x: int4 needs the last dim to be even .* group_size={group_size}, got shape \(2, 4, {k}\)"):
+        formats.quantize_int4(torch.randn(2, 4, k), group_size, zero_point)
+
+
+@pytest.mark.parametrize("group", [[1], [-1], []], ids=["one", "minus_one", "empty"])
+def test_quantize_rejects_a_group_that_is_not_rows_cols(group):
+    """A group of another length than 2 is a ValueError naming `group` (a one-element group was an
+    IndexError from deep in the recipe check)."""
+    with pytest.raises(ValueError, match=r"group: got \[.*\]; allowed: \[rows, cols\]"):
+        quantize(_x(3, 64), "fp8", group, None, None)
+
+
+@pytest.mark.parametrize(
+    "wq,k",
+    [(WeightQuant("int8", GroupShape(1, 32)), 48), (_NVFP4, 40), (_MXFP4, 48), (WeightQuant("int4", GroupShape(1, 11)), 33)],
+    ids=["int8_1x32", "nvfp4", "mxfp4", "int4_odd"],
+)  # fmt: skip
+def test_quantize_weight_rejects_k_off_the_group(wq, k):
+    """quantize_weight (public) asks what quantize_weights asks of K: a ValueError with the caller's name for
+    the weight; without it, int8/nvfp4/mxfp4 came back with padded scales [E, N, cdiv(K, G)] that
+    check_weights and fused_experts then reject."""
+    what = "must be even" if k % 2 else f"must be a multiple of the {wq.dtype} group size {wq.group.cols}"
+    with pytest.raises(ValueError, match=rf"w13: .*K={k} {what}, got shape \(2, 16, {k}\)"):
+        quant.quantize_weight(torch.randn(2, 16, k), wq, name="w13")
+
+
+def test_quantize_weight_and_dequantize_weight_name_a_wrong_wq():
+    """A dtype string in place of the WeightQuant is a TypeError naming `wq`, not an AttributeError."""
+    with pytest.raises(TypeError, match=r"wq: expected a WeightQuant, got str"):
+        quant.quantize_weight(torch.randn(2, 16, 64), "int4")
+    q, s, _, _ = _stored(_INT4)
+    with pytest.raises(TypeError, match=r"wq: expected a WeightQuant or None, got str"):
+        quant.dequantize_weight(q, "int4", s)
+
+
+def test_dequantize_weight_rejects_a_2d_weight():
+    """One expert's [N, K/2] storage (no E) is a ValueError naming w and the layout, not an IndexError."""
+    q, s, _, _ = _stored(_INT4)
+    with pytest.raises(ValueError, match=r"w: expected 3-D \[E, N, K/2\] int4 storage, got shape \(16, 32\)"):
+        quant.dequantize_weight(q[0], _INT4, s[0])
+
+
+STATIC_SCHEMES = {
+    "fp8": (WEIGHT_SCHEMES["fp8_per_tensor_static"], "scale", 448.0),
+    "int8": (WEIGHT_SCHEMES["int8_w8a8_static"], "scale", 127.0),
+    "nvfp4": (QuantScheme(ActivationQuant("nvfp4", GroupShape(1, 16)), _NVFP4), "global_scale", 448.0 * 6.0),
+}
+
+
+@pytest.mark.parametrize("magnitude", [1e-5, 1.0, 1e3])
+@pytest.mark.parametrize("fmt", list(STATIC_SCHEMES))
+def test_static_activation_scales_match_float64(fmt, magnitude):
+    """Each GEMM's static scale is its samples' amax over the format's range (fp8 448, int8 127, nvfp4's
+    global scale 448 * 6), float32 [1], for samples of any magnitude (small ones included: the floor
+    only keeps an all-zero calibration's scale positive), with the scheme's field names."""
+    scheme, key, qmax = STATIC_SCHEMES[fmt]
+    cal, inter = _x(int(torch.randint(1, 9, ())), H) * magnitude, _x(5, I) * magnitude * 3
+    scales = quant.static_activation_scales(scheme, cal, inter)
+    assert sorted(scales) == sorted([f"a13_{key}", f"a2_{key}"])
+    for name, samples in ((f"a13_{key}", cal), (f"a2_{key}", inter)):
+        got = scales[name]
+        assert got.dtype == torch.float32 and got.shape == (1,)
+        assert torch.allclose(got.double(), samples.double().abs().amax() / qmax, rtol=1e-6, atol=0), name
+
+
+def test_static_activation_scale_of_all_zero_samples_stays_positive():
+    """GEMM2's samples all zero (no routed pair activates): a small positive scale, not 0, so the static
+    quantizer maps zeros to zero codes instead of 0/0 = NaN; GEMM1's scale is unaffected."""
+    static = WEIGHT_SCHEMES["fp8_per_tensor_static"]
+    cal = _x(4, H)
+    scales = quant.static_activation_scales(static, cal, torch.zeros(3, I))
+    a2 = scales["a2_scale"]
+    assert (a2 > 0).all() and a2.isfinite().all() and a2.item() <= 1e-6 / 448 * (1 + 1e-6)
+    assert torch.allclose(scales["a13_scale"].double(), cal.double().abs().amax() / 448, rtol=1e-6, atol=0)
+    q, _ = quantize(torch.zeros(2, I), "fp8", [-1, -1], a2, None)
+    assert torch.equal(decode_e4m3(q), torch.zeros(2, I, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "which,bad,exc,match",
+    [("calibration", lambda t: t.index_fill(1, torch.tensor([3]), float("nan")), ValueError, r"calibration: holds NaN or inf"),
+     ("intermediate_calibration", lambda t: t.index_fill(1, torch.tensor([5]), -float("inf")), ValueError,
+      r"intermediate_calibration: holds NaN or inf"),
+     ("intermediate_calibration", lambda t: t.round().to(torch.int64), TypeError, r"intermediate_calibration: dtype torch.int64 is not allowed"),
+     ("calibration", lambda t: t.round().to(torch.int32), TypeError, r"calibration: dtype torch.int32 is not allowed")],
+    ids=["cal_nan", "inter_inf", "inter_int64", "cal_int32"],
+)  # fmt: skip
+def test_static_activation_scales_check_samples_when_called_directly(which, bad, exc, match):
+    """static_activation_scales is public: called directly (not through quantize_weights, which checks
+    first) it rejects NaN/inf samples (they gave a NaN or inf scale) and integer samples by name."""
+    static = WEIGHT_SCHEMES["fp8_per_tensor_static"]
+    samples = {"calibration": _x(4, H) * 10, "intermediate_calibration": _x(4, I) * 10}
+    samples[which] = bad(samples[which])
+    with pytest.raises(exc, match=match):
+        quant.static_activation_scales(static, **samples)
+
+
+def test_quantize_weights_puts_calibrated_scales_on_the_weights_device():
+    """Calibration samples on another device than the weights (CPU samples, meta here standing in for
+    GPU weights): the static scales follow the weights, as every other config tensor does; left on
+    the samples' device, fused_experts rejects the config."""
+    w13, w2 = _weights()
+    _, _, cfg = quantize_weights(FP8_STATIC, w13.to("meta"), w2.to("meta"), calibration=_x(4, H), intermediate_calibration=_x(4, I))
+    assert cfg.a13_scale.shape == cfg.a2_scale.shape == (1,) and cfg.a13_scale.dtype == cfg.a2_scale.dtype == torch.float32
+    for t in (cfg.a13_scale, cfg.a2_scale, cfg.w13_scale, cfg.w2_scale):
+        assert t.device.type == "meta"
+
+
+@pytest.mark.parametrize(
+    "x,exc,match",
+    [(lambda: _x(6, 64).reshape(2, 3, 64), ValueError, r"x: expected 2-D \[M, K\], got shape \(2, 3, 64\)"),
+     (lambda: _x(1, 64).reshape(64), ValueError, r"x: expected 2-D \[M, K\], got shape \(64,\)"),
+     (lambda: (_x(3, 64) * 20).round().to(torch.int64), TypeError, r"x: dtype torch.int64 is not allowed"),
+     (lambda: _x(3, 64).double(), TypeError, r"x: dtype torch.float64 is not allowed")],
+    ids=["3d", "1d", "int64", "float64"],
+)  # fmt: skip
+def test_quantize_rejects_x_of_another_rank_or_dtype(x, exc, match):
+    """moe_ops::quantize takes float [M, K] activations: a 3-D x came back as 3-D codes and integer or
+    float64 x was quantized silently (the real and fake impls both accepted them)."""
+    with pytest.raises(exc, match=match):
+        quantize(x(), "fp8", [1, -1], None, None)
+
+
+def _config_edit(**fields):
+    return lambda q13, q2, cfg: (q13, q2, dataclasses.replace(cfg, **fields))
+
+
+BAD_CHECK_WEIGHTS = {
+    "w2_bias_shape": (FP8_TOKEN, _config_edit(w2_bias=torch.randn(E, H + 1)), ValueError, r"w2_bias: expected shape \(3, 256\) \(\[E, N\]\), got \(3, 257\)"),
+    "w13_bias_per_k": (FP8_TOKEN, _config_edit(w13_bias=torch.randn(E, H + 2)), ValueError, r"w13_bias: expected shape \(3, 256\) \(\[E, N\]\), got \(3, 258\)"),
+    "w13_bias_int": (FP8_TOKEN, _config_edit(w13_bias=torch.ones(E, 2 * I, dtype=torch.int32)), TypeError,
+                     r"w13_bias: dtype torch.int32 is not allowed"),
+    "unquantized_int8_weight": (QuantScheme(), lambda q13, q2, cfg: (q13.to(torch.int8), q2, cfg), TypeError,
+                                r"w13: dtype torch.int8 is not allowed"),
+    "unquantized_float64_w2": (QuantScheme(), lambda q13, q2, cfg: (q13, q2.double(), cfg), TypeError,
+                               r"w2: dtype torch.float64 is not allowed"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_CHECK_WEIGHTS))
+def test_check_weights_rejects(case):
+    """QuantConfig.check_weights (public) checks the biases' [E, N] shape and float dtype, and unquantized
+    weights' float dtype, with the tensor's name; the config quantize_weights made passes (positive control)."""
+    scheme, edit, exc, match = BAD_CHECK_WEIGHTS[case]
+    q13, q2, cfg = quantize_weights(scheme, *_weights())
+    cfg.check_weights(q13, q2, H, I, 2 * I)
+    q13, q2, cfg = edit(q13, q2, cfg)
+    with pytest.raises(exc, match=match):
+        cfg.check_weights(q13, q2, H, I, 2 * I)
+
+
+def test_mxfp4_w4a8_per_token_gives_dynamic_per_token_activations():
+    """mxfp4_w4a8(per_token=True) builds fp8 per-token (dynamic) activations; per_token=False per-tensor."""
+    _, _, cfg = quantize_weights(QuantScheme(None, _MXFP4), *_weights())
+    per_token = quant.mxfp4_w4a8(cfg.w13_scale, cfg.w2_scale, per_token=True).scheme.activation
+    assert per_token == ActivationQuant("fp8", PER_TOKEN, static=False)
+    assert quant.mxfp4_w4a8(cfg.w13_scale, cfg.w2_scale).scheme.activation == ActivationQuant("fp8", PER_TENSOR, static=False)
