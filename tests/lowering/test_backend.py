@@ -3,6 +3,8 @@ are declined with their reason (a kernel call would raise or compute something e
 arguments a kernel call gets, and require_kernels leaving CPU calls alone."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -106,3 +108,138 @@ def test_require_kernels_leaves_cpu_calls_on_the_reference():
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
     assert row.backend.startswith("gate_up: reference (cpu: ") and "down_reduce: reference (cpu: " in row.backend
+
+
+def test_kernel_call_gets_gate_ups_tensors_and_parameters(monkeypatch):
+    """GEMM1's kernel gets the op's tensors unchanged (a dropped bias is a wrong output on the GPU, the
+    plan's ids dropped lose the M = 1 weight hint), the activation's alpha and limit as the recipe says
+    (swigluoai with its own values here: swapped, the clamp and the sigmoid's slope are wrong), and its
+    output comes back with the empty float32 scale of an unquantized intermediate, as from the fake impl
+    and the reference (another dtype there is a real/fake mismatch only the GPU would run into)."""
+    from cute_kernels import interface
+    from lowering import backend
+
+    args = _meta_args("gate_up")
+    args.update(activation="swigluoai", alpha=1.25, limit=3.5, interleaved=True,
+                expert_ids=torch.empty(4, 2, dtype=torch.int32, device="meta"))  # fmt: skip
+    calls = []
+
+    def kernel(*a, **kw):
+        calls.append((a, kw))
+        return a[0].new_empty((a[4].shape[0], a[1].shape[1] // 2))
+
+    monkeypatch.setattr(interface, "gate_up", kernel)
+    out, scale = backend._run_gate_up(args)
+    ((given, kw),) = calls
+    want = [args[name] for name in ("x", "w", "bias", "expert_offsets", "gather_idx")]
+    assert len(given) == len(want) and all(g is w for g, w in zip(given, want))
+    assert kw.pop("expert_ids") is args["expert_ids"]
+    assert kw == {"activation": "swigluoai", "alpha": 1.25, "limit": 3.5, "gate_layout": "interleaved"}
+    assert out.shape == (8, 128) and (scale.shape, scale.dtype) == ((0,), torch.float32)
+
+
+def _with_shape(op: str, experts: int = 4, hidden: int = 128, inter: int = 128) -> dict:
+    """_meta_args(op) with E experts, hidden size H and intermediate size I (a bias included)."""
+    args = _meta_args(op)
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    n, k = (2 * inter, hidden) if op == "gate_up" else (hidden, inter)
+    args.update(w=torch.empty(experts, n, k, **meta), bias=torch.empty(experts, n, **meta),
+                expert_offsets=torch.empty(experts + 1, dtype=torch.int32, device="meta"))  # fmt: skip
+    rows = args["x" if op == "gate_up" else "a"].shape[0]
+    args["x" if op == "gate_up" else "a"] = torch.empty(rows, k, **meta)
+    return args
+
+
+@pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
+@pytest.mark.parametrize("hidden, inter", [(96, 128), (128, 96)])
+def test_kernels_decline_sizes_off_the_k_tile_naming_each(op, hidden, inter):
+    """H and I must be multiples of 64 (the K tile); the reason names each size with its own value. A
+    recipe that read GEMM2's H from w's last dimension (its K, which is I) would name them the other way
+    round, and explain() would show that for every such layer."""
+    assert _support(op, _with_shape(op))[0]
+    ok, why = _support(op, _with_shape(op, hidden=hidden, inter=inter))
+    assert not ok and f"hidden={hidden} and intermediate={inter} must be multiples of 64" in why
+
+
+@pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
+def test_kernels_serve_up_to_max_experts(op):
+    """The kernels keep E+1 offsets in shared memory, for at most MAX_EXPERTS experts: a recipe counts E
+    from the weights (w [E, ...]), not from expert_offsets' E+1 entries (that count would decline a
+    layer of exactly MAX_EXPERTS experts)."""
+    from cute_kernels.moe_gemm import MAX_EXPERTS
+
+    assert _support(op, _with_shape(op, experts=MAX_EXPERTS))[0]
+    ok, why = _support(op, _with_shape(op, experts=MAX_EXPERTS + 1))
+    assert not ok and f"{MAX_EXPERTS + 1} local experts" in why
+
+
+@pytest.mark.parametrize("activation, interleaved", [("relu2", False), ("swigluoai", True), ("gelu", False)])
+def test_kernels_serve_each_activation_in_its_gate_layout(activation, interleaved):
+    """gate_up_support pairs the activation with the layout of its w13 rows: relu2 with none (w13 is
+    [E, I, H]), gated ones with halves or interleaved pairs. A backend that asked about one fixed layout
+    would send every relu2 layer to the reference on a Hopper GPU."""
+    args = _meta_args("gate_up")
+    args.update(activation=activation, interleaved=interleaved)
+    if activation == "relu2":
+        args.update(w=args["w"][:, :128].contiguous(), bias=args["bias"][:, :128].contiguous())
+    ok, why = _support("gate_up", args)
+    assert ok, why
+
+
+@pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
+def test_kernels_decline_weight_only_quantization_as_quantized(op):
+    """A weight-only quantized recipe (int4 weights, bf16 activations: w4a16) is declined as quantized,
+    the reason explain() gives, not as weights of another dtype (its packed uint8 storage)."""
+    args = _meta_args(op)
+    w = args["w"]
+    args.update(w=torch.empty(*w.shape[:2], w.shape[2] // 2, dtype=torch.uint8, device="meta"), w_dtype="int4", w_group=[1, 64])
+    ok, why = _support(op, args)
+    assert not ok and "quantized schemes are not implemented" in why
+
+
+def test_reference_on_cuda_warns_once_per_op_and_reason(monkeypatch):
+    """The run-time warning is once per (op, reason): gate_up and down_reduce falling back for the same
+    reason (a quantized scheme declines both) each say so once, the second not silenced by the first."""
+    from lowering import backend
+
+    monkeypatch.setattr(backend, "_WARNED", set())
+    monkeypatch.setattr(backend, "_choose", lambda op, recipe, device, tensors=None: backend.Choice("reference", "reason A"))
+    cuda = torch.device("cuda")
+    for op in ("gate_up", "down_reduce"):
+        with pytest.warns(UserWarning, match=f"moe_ops::{op} runs the reference composition on cuda: reason A"):
+            backend._at_run_time(op, {}, cuda)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for op in ("gate_up", "down_reduce"):
+            backend._at_run_time(op, {}, cuda)
+
+
+@pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
+def test_run_time_choice_gets_the_calls_pointers(monkeypatch, op):
+    """The op's choice at run time is _at_run_time's (the one that warns, or raises under
+    require_kernels) with the op's recipe, device and every tensor it hands the kernels by pointer: the
+    tensors are what the 16-byte alignment check reads, so a choice without them would send a view off
+    a 16-byte boundary to the kernels (a fault that ends the CUDA context)."""
+    from lowering import backend
+
+    calls = []
+    monkeypatch.setattr(backend, "_at_run_time", lambda *a: calls.append(a) or backend.Choice("reference", "stub"))
+    args = _meta_args(op)
+    getattr(backend, f"choose_{op}")(args)
+    ((name, recipe, device, tensors),) = calls
+    assert (name, recipe, device) == (op, getattr(backend, f"{op}_recipe")(args), torch.device("meta"))
+    names = [n for o, n in POINTER_ARGS if o == op]
+    assert list(tensors) == names and all(tensors[n] is args[n] for n in names)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta", "mps"])
+def test_devices_other_than_cuda_get_the_reference_without_the_kernels_package(monkeypatch, device):
+    """Off CUDA the reference is the implementation: the choice names the device and never consults
+    cute_kernels (an optional dependency, absent or unimportable on such machines), whose own reasons
+    would misstate why."""
+    from lowering import backend
+
+    monkeypatch.setattr(backend, "_cute_interface", lambda: pytest.fail("consulted cute_kernels off CUDA"))
+    for op in ("gate_up", "down_reduce"):
+        choice = backend._choose(op, getattr(backend, f"{op}_recipe")(_meta_args(op)), torch.device(device))
+        assert choice == backend.Choice("reference", f"{device}: the CuTe DSL kernels run on CUDA GPUs (sm_90)")

@@ -66,7 +66,7 @@ BAD = {
     "gate_up_fp8_bad_group": (lambda: _gate_up(a_dtype="fp8", a_group=[2, 3]), ValueError, r"ActivationQuant.group"),
     "gate_up_nvfp4_no_global": (lambda: _gate_up(a_dtype="nvfp4", a_group=[1, 16]), ValueError,
                                 r"a_global_scale: nvfp4 needs its float32 global scale"),
-    "gate_up_out_quant_unknown": (lambda: _gate_up(out_quant_dtype="int4"), ValueError, r"out_quant_dtype: got 'int4'"),
+    "gate_up_out_quant_unknown": (lambda: _gate_up(out_quant_dtype="int4"), ValueError, r"out_quant_dtype: got 'int4'; allowed: 'none', 'fp8'"),
     "gate_up_out_scale_not_per_tensor": (lambda: _gate_up(out_quant_dtype="fp8", out_quant_group=NONE, out_scale=torch.ones(2)),
                                          ValueError, r"out_scale: a static scale is one per-tensor value, got shape \(2,\)"),
     "gate_up_out_global_for_fp8": (lambda: _gate_up(out_quant_dtype="fp8", out_quant_group=[1, -1], out_global_scale=torch.ones(1)),
@@ -75,16 +75,31 @@ BAD = {
     "gate_up_ids_float": (lambda: _gate_up(expert_ids=torch.zeros(M, K_TOP)), TypeError, r"expert_ids: dtype torch.float32"),
     "gate_up_ids_pairs": (lambda: _gate_up(expert_ids=torch.zeros(M + 1, K_TOP, dtype=_I32)), ValueError,
                           r"expert_ids: expected the plan's topk_ids \[M, k\] with M\*k = 6 routed pairs, got shape \(4, 2\)"),
+    # Fewer ids than routed pairs too: the kernels read one id per pair (and the CPU reference none, so
+    # only this check stops the call there).
+    "gate_up_ids_too_few": (lambda: _gate_up(expert_ids=torch.zeros(M - 1, K_TOP, dtype=_I32)), ValueError,
+                            r"expert_ids: expected the plan's topk_ids \[M, k\] with M\*k = 6 routed pairs, got shape \(2, 2\)"),
     "gate_up_int_out": (lambda: _gate_up(out_dtype=torch.int32), TypeError, r"out_dtype: got torch.int32"),
     # The re-quantized intermediate is GEMM1's N / 2 wide for a gated activation: nvfp4 needs that width
     # even (N = 30 is even, its half 15 is not).
     "gate_up_nvfp4_odd_intermediate": (lambda: _gate_up(w=torch.randn(E, 30, H), bias=None, out_quant_dtype="nvfp4", out_quant_group=[1, 16],
                                                         out_global_scale=torch.ones(1)), ValueError,
                                        r"the intermediate: nvfp4 packs two values per byte; K must be even, got K=15"),
+    # relu2 re-quantizes all N of GEMM1's outputs (no gate halves them): N = 15 is odd for nvfp4.
+    "gate_up_relu2_nvfp4_odd_intermediate": (lambda: _gate_up(w=torch.randn(E, 15, H), bias=None, activation="relu2", out_quant_dtype="nvfp4",
+                                                              out_quant_group=[1, 16], out_global_scale=torch.ones(1)), ValueError,
+                                             r"the intermediate: nvfp4 packs two values per byte; K must be even, got K=15"),
     # Every tensor argument shares x's device, the re-quantization's static scale and the kernels' expert_ids
     # hint included (the CPU reference never reads the hint, the kernels do).
     "gate_up_meta_out_scale": (lambda: _gate_up(out_quant_dtype="fp8", out_scale=torch.ones(1, device="meta")), ValueError,
                                r"out_scale: on meta, but x is on cpu"),
+    "gate_up_meta_a_scale": (lambda: _gate_up(a_dtype="fp8", a_scale=torch.ones(1, device="meta")), ValueError,
+                             r"a_scale: on meta, but x is on cpu"),
+    "gate_up_meta_a_global_scale": (lambda: _gate_up(a_dtype="nvfp4", a_group=[1, 16], a_global_scale=torch.ones(1, device="meta")),
+                                    ValueError, r"a_global_scale: on meta, but x is on cpu"),
+    "gate_up_meta_out_global_scale": (lambda: _gate_up(out_quant_dtype="nvfp4", out_quant_group=[1, 16],
+                                                       out_global_scale=torch.ones(1, device="meta")),
+                                      ValueError, r"out_global_scale: on meta, but x is on cpu"),
     "gate_up_meta_expert_ids": (lambda: _gate_up(expert_ids=torch.zeros(M, K_TOP, dtype=_I32, device="meta")), ValueError,
                                 r"expert_ids: on meta, but x is on cpu"),
     "down_reduce_a_width": (lambda: _down_reduce(a=torch.randn(M * K_TOP, I + 1)), ValueError, r"a and w: K differs"),
@@ -151,3 +166,26 @@ def test_gate_up_accepts_an_odd_width_for_an_ungated_activation():
     # intermediate is all N = 31 of them, from the real and the fake impl alike.
     op, args = _gate_up(w=torch.randn(E, 31, H), bias=None, activation="relu2")
     assert _real_matching_fake(op, args)[0].shape == (M * K_TOP, 31)
+
+
+def test_gate_up_requantizes_relu2s_whole_width():
+    # relu2's intermediate is all N = 30 of GEMM1's outputs, re-quantized to nvfp4 (two values a byte:
+    # [P, 15] codes) from the real and the fake impl alike; half of it (15) would be refused as odd.
+    op, args = _gate_up(w=torch.randn(E, 30, H), bias=None, activation="relu2", out_quant_dtype="nvfp4", out_quant_group=[1, 16],
+                        out_global_scale=torch.ones(1))  # fmt: skip
+    codes, scales = _real_matching_fake(op, args)
+    assert codes.shape == (M * K_TOP, 15) and codes.dtype == torch.uint8 and scales.dtype == torch.float8_e4m3fn
+
+
+def test_down_reduce_weighs_rows_by_signed_router_weights():
+    # The router weights multiply GEMM2's rows as given, sign included (a weight is not a probability
+    # for every router): down_reduce equals weighted_reduce over grouped_gemm's rows with weights of both signs.
+    from moe_ops.gemm import grouped_gemm
+    from moe_ops.reduce import weighted_reduce
+
+    topk_weights = torch.randn(M, K_TOP)
+    topk_weights[0, 0] = -abs(topk_weights[0, 0]) - 0.5
+    op, args = _down_reduce(bias=None, topk_weights=topk_weights)
+    a, w, offsets, inverse = args[0], args[5], args[12], args[14]  # positional, as _down_reduce orders them
+    y = grouped_gemm(a, None, None, "none", NONE, w, None, None, None, "none", NONE, None, offsets, None, torch.float32)
+    torch.testing.assert_close(op(*args), weighted_reduce(y, topk_weights, inverse, offsets))
