@@ -69,6 +69,25 @@ def test_relative_error_of_hand_built_cases():
     assert relative_error(torch.zeros(0, 4), torch.zeros(0, 4)) == 0.0
 
 
+def test_relative_error_reads_float64_differences():
+    """The measure is taken in float64: two float64 tensors 1e-10 apart relatively (invisible in float32,
+    where they round to the same values) read 1e-10, so a check tighter than float32 rounding can fail."""
+    ref = torch.randn(64, 32, dtype=torch.float64)
+    assert relative_error(ref * (1 + 1e-10), ref) == pytest.approx(1e-10, rel=1e-3)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_fake_quantize_keeps_a_zero_row(fmt):
+    """A row of exact zeros (a padding token) quantized per token stays exact zeros rather than 0 / 0 =
+    NaN from a zero scale, and the other rows come out as they do without it."""
+    x = torch.randn(6, 40, dtype=torch.float64)
+    x[3] = 0.0
+    got = fake_quantize(x, fmt, (1, -1))
+    assert torch.equal(got[3], torch.zeros(40, dtype=torch.float64))
+    others = [0, 1, 2, 4, 5]
+    assert torch.equal(got[others], fake_quantize(x[others], fmt, (1, -1)))
+
+
 @pytest.mark.parametrize("fmt,group,static", [("fp8", (1, -1), False), ("int8", (1, -1), False),
                                               ("int8_static", (-1, -1), True), ("nvfp4", (1, 16), False)])  # fmt: skip
 def test_fake_quant_tolerance_catches_a_reference_without_activation_quantization(fmt, group, static):
@@ -105,6 +124,36 @@ def test_moe_float64_rounds_where_a_bf16_layer_stores():
     want = bf16(act @ w2[0].double().T)
     got = moe_float64(x, w13, w2, tw, ids, apply_router_weight_on_input=True, intermediate_dtype=torch.bfloat16)
     assert torch.equal(got, want)
+
+
+def test_moe_float64_computes_in_float64():
+    """Without intermediate rounding the checker is exact to float64 rounding: against the layer's formula
+    written here with einsum over each pair's expert weights, biases included. A checker multiplying in
+    float32 (errors ~1e-7) would pass float32 layers whatever their own float32 rounding."""
+    m, hidden, inter, num_experts, top_k = 24, 48, 40, 5, 3
+    x, w13, w2, tw, ids = random_layer(m, hidden, inter, num_experts, top_k)
+    b13, b2 = torch.randn(num_experts, 2 * inter), torch.randn(num_experts, hidden)
+    e = ids.long()
+    h = torch.einsum("mh,mknh->mkn", x.double(), w13.double()[e]) + b13.double()[e]
+    gate, up = h.chunk(2, dim=-1)
+    act = gate * torch.sigmoid(gate) * up
+    y = torch.einsum("mkn,mkhn->mkh", act, w2.double()[e]) + b2.double()[e]
+    want = (y * tw.double().unsqueeze(-1)).sum(dim=1)
+    got = moe_float64(x, w13, w2, tw, ids, w13_bias=b13, w2_bias=b2)
+    assert got.dtype == torch.float64
+    assert relative_error(got, want) <= 1e-12, relative_error(got, want)
+
+
+def test_moe_float64_of_a_batch_routed_only_to_remote_experts_is_zero():
+    """When no pair of the batch has a local expert (expert parallelism: every chosen expert lives on
+    another rank), no expert adds anything: the checker's output is exact zeros of [M, H], as the
+    layer's is (checked in test_expert_map_remote_experts_contribute_nothing)."""
+    x, w13, w2, tw, _ = random_layer(7, 32, 16, 4, 2)
+    expert_map = torch.tensor([0, 1, 2, 3, -1, -1, -1])
+    ids = torch.randint(4, 7, (7, 2), dtype=torch.int32)
+    got = moe_float64(x, w13, w2, tw, ids, expert_map=expert_map)
+    assert torch.equal(got, torch.zeros(7, 32, dtype=torch.float64))
+
 
 # ==== routing =====================================================================================
 

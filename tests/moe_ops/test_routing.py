@@ -260,6 +260,44 @@ def test_a_nan_correction_bias_makes_every_weight_nan():
 
 
 
+def _assert_routes_as(weights, ids, logits, top_k, bias, reference, cfg):
+    """ids in order and weights to ROUTE_RTOL against the float64 `reference`, row by row."""
+    bias64 = None if bias is None else bias.double().tolist()
+    for r, row in enumerate(logits.double().tolist()):
+        want_ids, want_w = reference(row, top_k, bias64, cfg)
+        assert ids[r].tolist() == want_ids, f"row {r}: ids {ids[r].tolist()}, the model's {want_ids}"
+        for j, w in enumerate(want_w):
+            assert abs(weights[r, j].item() - w) <= ROUTE_RTOL * abs(w), f"row {r}, expert {want_ids[j]}: {weights[r, j].item()} != {w}"
+
+
+def test_groups_of_one_expert_with_a_correction_bias():
+    """num_expert_group == E with a bias (DeepSeek-V3 scoring, groups of one expert): a group's score is
+    the sum of its best two selection scores, here its only one (taking the top 2 of a group of one
+    would raise a RuntimeError in torch.topk)."""
+    num_experts, top_k = 16, 3
+    logits = torch.randn(40, num_experts) * 2
+    bias = torch.randn(num_experts) * 0.1
+    cfg = dict(scoring="sigmoid", groups=num_experts, topk_group=4, norm=True, scale=2.5)
+    weights, ids = moe_ops.route(logits, top_k, scoring="sigmoid", renormalize=True, num_expert_group=num_experts,
+                                 topk_group=4, e_score_correction_bias=bias, routed_scaling_factor=2.5)  # fmt: skip
+    _assert_routes_as(weights, ids, logits, top_k, bias, deepseek, cfg)
+
+
+def test_correction_bias_keeps_float32_with_bf16_logits():
+    """A float32 correction bias is added in float32 to the scores of bf16 logits, as DeepSeek-V3 keeps
+    its bias in float32: rounding it to the logits' dtype (~3 significant digits) changes which experts
+    are chosen in some rows. DeepSeek-V3's routing in float64 with the exact bias."""
+    num_experts, top_k, kwargs, reference, cfg, _ = MODELS["deepseek_v3"]
+    logits = (torch.randn(256, num_experts) * 2).bfloat16()
+    bias = torch.randn(num_experts) * 0.5  # not on the bf16 grid
+    rounded = bias.bfloat16().double().tolist()
+    rows = logits.double().tolist()
+    changed = sum(reference(r, top_k, bias.double().tolist(), cfg)[0] != reference(r, top_k, rounded, cfg)[0] for r in rows)
+    assert changed > 0, "rounding the bias to bf16 changes no row: the test would not test the bias' precision"
+    weights, ids = moe_ops.route(logits, top_k, e_score_correction_bias=bias, **kwargs)
+    _assert_routes_as(weights, ids, logits, top_k, bias, reference, cfg)
+
+
 @pytest.mark.parametrize("factor", [0.25, 0.8, -1.5, 1.0])
 def test_routed_scaling_factor_multiplies_the_weights(factor):
     """Every weight is multiplied by routed_scaling_factor, whatever its size or sign (a factor below 1
@@ -337,6 +375,24 @@ def test_route_op_rejects_bad_args(case, where):
 def test_route_rejects_a_non_finite_scaling_factor(scale):
     with pytest.raises(ValueError, match=r"routed_scaling_factor: got (nan|-inf); allowed: a finite number"):
         moe_ops.route(torch.randn(2, 4), 2, routed_scaling_factor=scale)
+
+
+BAD_ROUTE_ARGS = {
+    # True is an int and a Real to Python: without its own check it would pass as a factor of 1.0
+    "scale_bool": (dict(routed_scaling_factor=True), TypeError, r"routed_scaling_factor: expected a real number, got bool True"),
+    # -2 divides E=8: without the sign check the error would name topk_group ("allowed: 1 to num_expert_group=-2")
+    "groups_negative": (dict(num_expert_group=-2, topk_group=1), ValueError, r"num_expert_group: got -2; allowed: a divisor of E=8"),
+    # 0.0 and False equal 0: checked after the 0 test, they would be rejected as the value 0 (a ValueError)
+    "groups_float_zero": (dict(num_expert_group=0.0, topk_group=1), TypeError, r"num_expert_group: got float 0.0; allowed: an int or None"),
+    "groups_false": (dict(num_expert_group=False, topk_group=False), TypeError, r"num_expert_group: got bool False; allowed: an int or None"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ROUTE_ARGS))
+def test_route_rejects_bad_group_and_scale_args(case):
+    kwargs, exc, match = BAD_ROUTE_ARGS[case]
+    with pytest.raises(exc, match=match):
+        moe_ops.route(torch.randn(3, 8), 2, **kwargs)
 
 
 def test_route_op_accepts_the_base_args():
