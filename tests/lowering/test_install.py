@@ -88,3 +88,20 @@ def test_install_over_a_list_of_passes(container):
     assert "torch.ops.moe_ops.gate_up.default(" in code and "moe_ops.grouped_gemm" not in code
     lowering.uninstall()
     assert inductor_config.post_grad_custom_post_pass is previous
+
+
+@pytest.mark.parametrize("before", [False, True])
+@pytest.mark.parametrize("installed_before", [False, True])
+def test_enabled_restores_require_kernels_when_the_block_raises(before, installed_before):
+    """An exception out of `with enabled(require_kernels=...)` (a failing compile or call) restores
+    require_kernels as a normal exit does, whether or not the pass was installed before, and leaves the
+    pass installed exactly when it was. Otherwise every later CUDA call without a kernel would keep
+    raising (or keep running the reference where the caller wanted an error)."""
+    backend.REQUIRE_KERNELS["value"] = before
+    outer = lowering.install() if installed_before else None
+    with pytest.raises(KeyError, match="inside"):
+        with lowering.enabled(require_kernels=not before):
+            assert backend.REQUIRE_KERNELS["value"] is (not before)
+            raise KeyError("inside")
+    assert backend.REQUIRE_KERNELS["value"] is before
+    assert lowering.installed() is outer

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import moe_ops  # noqa: F401  (registers the ops)
+from moe_ops import gemm  # only to patch its path choice and chunk size, never for an expectation
 
 OPS = torch.ops.moe_ops
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -98,6 +99,195 @@ def test_grouped_gemm_int8_weights(dtype, group_cols, gather):
     assert_close(out, expected_gemm(x, w64, b.double(), offsets), dtype)
 
 
+# ---- grouped_gemm: torch._grouped_mm or the batched product, chunks, argument checks ---------------
+
+
+def _cuda_like_grouped_mm(calls: list):
+    """torch._grouped_mm as CUDA runs it, recording each call's dtype in `calls`: besides the strides (each
+    matrix row- or column-major, its other stride a multiple of 16 bytes) it rejects a start address off a
+    16-byte boundary, which the CPU build does not check, and it leaves the rows from offs[-1] on unwritten
+    (NaN here; the CPU build happens to zero them)."""
+    real = torch._grouped_mm
+
+    def grouped_mm(a, b, offs=None, **kwargs):
+        for name, t in (("a", a), ("b", b)):
+            assert t.data_ptr() % 16 == 0, f"{name}: expected data_ptr to be aligned to 16 bytes"
+            (rows, cols), (row_stride, col_stride) = t.shape[-2:], t.stride()[-2:]
+            unit = 16 // t.element_size()
+            if col_stride == 1 and row_stride >= max(1, cols):
+                assert row_stride % unit == 0, f"{name}: strides should be multiple of 16 bytes"
+            elif row_stride == 1 and col_stride >= max(1, rows):
+                assert col_stride % unit == 0, f"{name}: strides should be multiple of 16 bytes"
+            else:
+                raise AssertionError(f"{name}: invalid strides {t.stride()} for sizes {tuple(t.shape)}")
+        calls.append(a.dtype)
+        out = real(a, b, offs=offs, **kwargs)
+        out[int(offs[-1]) :] = float("nan")
+        return out
+
+    return grouped_mm
+
+
+# name -> (rows [R, K] from new(*shape), weights [E, N, K] from new(*shape), whether torch._grouped_mm takes
+# them). K = 36: 144-byte rows, 16-byte aligned though K is not a multiple of 16; E, N = 4, 40.
+NATIVE_LAYOUTS = {
+    "row_major": (lambda new, r: new(r, 36), lambda new: new(4, 40, 36), True),
+    "column_major_w": (lambda new, r: new(r, 36), lambda new: new(4, 36, 40).transpose(1, 2), True),
+    "expert_sliced_w": (lambda new, r: new(r, 36), lambda new: new(5, 40, 36)[1:], True),
+    "a_off_16_bytes": (lambda new, r: new(r * 36 + 1)[1:].view(r, 36), lambda new: new(4, 40, 36), False),
+    "w_off_16_bytes": (lambda new, r: new(r, 36), lambda new: new(4 * 40 * 36 + 1)[1:].view(4, 40, 36), False),
+    "a_every_other_column": (lambda new, r: new(r, 72)[:, ::2], lambda new: new(4, 40, 36), False),
+    "w_every_other_column": (lambda new, r: new(r, 36), lambda new: new(4, 40, 72)[:, :, ::2], False),
+}
+
+
+@pytest.mark.parametrize("layout", list(NATIVE_LAYOUTS))
+@pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64])
+def test_grouped_gemm_takes_grouped_mm_only_where_cuda_would_accept_it(layout, offsets_dtype, monkeypatch):
+    """float32 rows and weights take torch._grouped_mm (one call) when both are 16-byte aligned, weights
+    row- or column-major, and the batched product otherwise: a start off a 16-byte boundary (CUDA raises on
+    it, the CPU build does not) or a column step (invalid strides everywhere), with int32 or int64 offsets
+    (converted: _grouped_mm takes int32 only). Either way the values are
+    the float64 product plus bias, and the rows from offsets[E] on, which _grouped_mm leaves unwritten on
+    CUDA (NaN in the stand-in), are zero."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is missing")
+    calls = []
+    monkeypatch.setattr(torch, "_grouped_mm", _cuda_like_grouped_mm(calls))
+    make_a, make_w, native = NATIVE_LAYOUTS[layout]
+    new = lambda *shape: torch.randn(*shape) / 4  # noqa: E731  (scaled in place: a copy would lose the layout)
+    offsets = ragged_offsets(4, 1).to(offsets_dtype)  # torch._grouped_mm takes int32 offsets only
+    used = int(offsets[-1])
+    a, w = make_a(new, used + 2), make_w(new)
+    a[used:] = float("nan")
+    bias = torch.randn(4, 40)
+    out = call_gemm(a, w, bias, offsets, None, torch.float32)
+    assert_close(out, expected_gemm(a.double(), w.double(), bias.double(), offsets), torch.float32)
+    assert (out[used:] == 0).all(), "rows from offsets[E] on must be zero"
+    assert calls == ([torch.float32] if native else []), f"torch._grouped_mm calls: {calls}"
+
+
+@pytest.mark.parametrize("rows_dtype", [torch.bfloat16, torch.float32])
+def test_grouped_gemm_bf16_weights_take_grouped_mm_as_on_cuda(rows_dtype, monkeypatch):
+    """With CUDA's native set (bf16 only; simulated on the CPU, whose torch._grouped_mm also takes bf16),
+    bf16 rows with bf16 weights are multiplied by torch._grouped_mm in bf16 (exact: the rows were bf16
+    already), not by the float32 batched product; float32 rows with bf16 weights take the batched product
+    and are not rounded to bf16."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is missing")
+    calls = []
+    monkeypatch.setattr(torch, "_grouped_mm", _cuda_like_grouped_mm(calls))
+    monkeypatch.setattr(gemm, "_NATIVE_GROUPED_MM", {("cpu", torch.bfloat16)})
+    a, _, offsets, x = gemm_inputs(rows_dtype, gather=False, dropped=2, empty=1)
+    w = (torch.randn(5, 40, a.shape[1]) / a.shape[1] ** 0.5).bfloat16()
+    out = call_gemm(a, w, None, offsets, None, rows_dtype)
+    assert_close(out, expected_gemm(x, w.double(), None, offsets), rows_dtype)
+    assert (out[int(offsets[-1]) :] == 0).all()
+    assert calls == ([torch.bfloat16] if rows_dtype == torch.bfloat16 else [])
+
+
+@pytest.mark.parametrize("chunk_rows", [0, 1, 3])
+def test_grouped_gemm_batched_product_in_row_chunks(chunk_rows, monkeypatch):
+    """The batched product (K = 45: rows not 16-byte aligned) materialises one dequantized [N, K] weight per
+    row, at most _CHUNK_BYTES of them at a time. With _CHUNK_BYTES set to `chunk_rows` rows' worth (0: one
+    byte, less than a single row's weight, so one row at a time), a ragged plan over several chunks, with
+    bias, an empty expert and dropped rows, equals the float64 product, and no batched product covers more
+    rows than that."""
+    num_experts, n, k = 4, 40, 45
+    monkeypatch.setattr(gemm, "_CHUNK_BYTES", max(1, chunk_rows * n * k * 4))
+    batches, real_bmm = [], torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda x, y: (batches.append(x.shape[0]), real_bmm(x, y))[1])
+    a, gather_idx, offsets, x = gemm_inputs(torch.float32, gather=True, dropped=3, empty=1, num_experts=num_experts, k=k)
+    w = torch.randn(num_experts, n, k) / k**0.5
+    bias = torch.randn(num_experts, n)
+    out = call_gemm(a, w, bias, offsets, gather_idx, torch.float32)
+    assert_close(out, expected_gemm(x, w.double(), bias.double(), offsets), torch.float32)
+    assert (out[int(offsets[-1]) :] == 0).all()
+    assert sum(batches) == out.shape[0] and max(batches) <= max(chunk_rows, 1), batches
+
+
+@pytest.mark.parametrize("k", [32, 45])
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_gemm_without_experts(k, bias):
+    """E = 0 (a rank without local experts): every row is dropped, so the output is zero, with or without a
+    bias [0, N], on torch._grouped_mm's path (K = 32) and on the batched one (K = 45, rows not 16-byte
+    aligned), which must not clamp a row's expert to E - 1 = -1 of an empty weight."""
+    a = torch.randn(int(torch.randint(1, 7, ())), k)
+    b = torch.randn(0, 40) if bias else None
+    out = call_gemm(a, torch.randn(0, 40, k), b, torch.zeros(1, dtype=torch.int32), None, torch.float32)
+    assert out.shape == (a.shape[0], 40) and (out == 0).all()
+
+
+def _fp8(*shape):
+    return torch.randn(*shape).to(torch.float8_e4m3fn)
+
+
+def _nvfp4_weights(**changes):
+    """nvfp4 weights [4, 40, 32] (packed [4, 40, 16]) with their scales, a per-expert global scale, `changes`."""
+    return {"w": torch.randint(0, 256, (4, 40, 16), dtype=torch.uint8), "w_dtype": "nvfp4", "w_group": [1, 16],
+            "w_scale": torch.rand(4, 40, 2).to(torch.float8_e4m3fn), "w_global_scale": torch.rand(4), **changes}  # fmt: skip
+
+
+def _nvfp4_rows(**changes):
+    """nvfp4 rows [3, 32] (packed [3, 16]) with scales and their one global scale, then `changes`."""
+    return {"a": torch.randint(0, 256, (3, 16), dtype=torch.uint8), "a_dtype": "nvfp4", "a_group": [1, 16],
+            "a_scale": torch.rand(3, 2).to(torch.float8_e4m3fn), "a_global_scale": torch.rand(1), **changes}  # fmt: skip
+
+
+def gemm_call_args(**changes) -> list:
+    """grouped_gemm's arguments: float32 rows [3, 32], weights [4, 40, 32], 3 grouped rows, then `changes`."""
+    args = dict(a=torch.randn(3, 32), a_scale=None, a_global_scale=None, a_dtype="none", a_group=[-1, -1],
+                w=torch.randn(4, 40, 32), w_scale=None, w_global_scale=None, w_zero=None, w_dtype="none",
+                w_group=[-1, -1], bias=None, expert_offsets=torch.tensor([0, 1, 1, 2, 3], dtype=torch.int32),
+                gather_idx=None, out_dtype=torch.float32)  # fmt: skip
+    return list({**args, **changes}.values())
+
+
+# name -> (argument changes, exception, message): each names the argument; the op must raise it rather than
+# compute (a scale-less fp8 weight failed inside the dequantization, an int bias was added, a tensor on
+# another device was read as garbage or dispatched to its fake impl).
+GEMM_BAD = {
+    "fp8_w_without_scale": (lambda: dict(w=_fp8(4, 40, 32), w_dtype="fp8", w_group=[1, -1]), ValueError,
+                            r"w_scale: 'fp8' values need their scales, got None"),
+    "fp8_a_without_scale": (lambda: dict(a=_fp8(3, 32), a_dtype="fp8", a_group=[1, -1]), ValueError,
+                            r"a_scale: 'fp8' values need their scales, got None"),
+    "nvfp4_a_empty_global": (lambda: {**_nvfp4_rows(a_global_scale=torch.ones(0)), **_nvfp4_weights()}, ValueError,
+                             r"a_global_scale: expected one value \[1\], got shape \(0,\)"),
+    "int_bias": (lambda: dict(bias=torch.randint(-3, 4, (4, 40), dtype=torch.int32)), TypeError,
+                 r"bias: dtype torch.int32 is not allowed; allowed: torch.float32"),
+    "bias_on_meta": (lambda: dict(bias=torch.randn(4, 40, device="meta")), ValueError,
+                     r"bias: on meta, but a is on cpu; all tensors must share one device"),
+    "w_scale_on_meta": (lambda: dict(w=torch.randint(-127, 128, (4, 40, 32), dtype=torch.int8), w_dtype="int8", w_group=[1, -1],
+                                     w_scale=torch.rand(4, 40, 1, device="meta")), ValueError, r"w_scale: on meta, but a is on cpu"),
+    "w_global_scale_on_meta": (lambda: _nvfp4_weights(w_global_scale=torch.rand(4, device="meta")), ValueError,
+                               r"w_global_scale: on meta, but a is on cpu"),
+}  # fmt: skip
+
+
+# e2m1 code -> value (bit 3 the sign), from the OCP microscaling spec
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("global_scale", ["one", "per_expert"])
+def test_grouped_gemm_nvfp4_weights_with_one_or_per_expert_global_scale(global_scale):
+    """nvfp4 weights take one global scale for all experts ([1]) or one per expert ([E]); decoded here as
+    e2m1(nibble) * fp8 group scale (1x16) * global scale, element 2j in the low nibble of byte j."""
+    w = _nvfp4_weights(w_global_scale=torch.rand(1 if global_scale == "one" else 4) + 0.5)
+    q = w["w"]
+    codes = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2).long()
+    w64 = E2M1[codes] * w["w_scale"].double().repeat_interleave(16, -1) * w["w_global_scale"].double().view(-1, 1, 1)
+    args = gemm_call_args(**w)
+    out = OPS.grouped_gemm(*args)
+    assert_close(out, expected_gemm(args[0].double(), w64, None, args[12]), torch.float32)
+
+
+@pytest.mark.parametrize("case", list(GEMM_BAD))
+def test_grouped_gemm_rejects_bad_args(case):
+    changes, exc, match = GEMM_BAD[case]
+    with pytest.raises(exc, match=match):
+        OPS.grouped_gemm(*gemm_call_args(**changes()))
+
+
 # ---- weighted_reduce -----------------------------------------------------------------------------
 
 
@@ -173,6 +363,44 @@ def test_weighted_reduce_sums_in_choice_order(k):
     for j in range(1, k):
         want += products[:, j]
     assert torch.equal(out, want)
+
+
+def test_weighted_reduce_without_choices():
+    """k = 0 choices per token (topk_weights [M, 0], no grouped rows): every token's sum is empty, so the
+    output is zero [M, H] in y's dtype."""
+    m, h = int(torch.randint(1, 9, ())), 24
+    y = torch.randn(0, h).bfloat16()
+    out = OPS.weighted_reduce(y, torch.rand(m, 0), torch.zeros(0, dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
+    assert out.shape == (m, h) and out.dtype == torch.bfloat16 and (out == 0).all()
+
+
+def reduce_call_args(**changes) -> list:
+    """weighted_reduce's arguments: y [6, 24], topk_weights [3, 2], an inverse permutation, 2 experts."""
+    args = dict(y=torch.randn(6, 24), topk_weights=torch.rand(3, 2), inverse=torch.randperm(6).to(torch.int32),
+                expert_offsets=torch.tensor([0, 4, 6], dtype=torch.int32))  # fmt: skip
+    return list({**args, **changes}.values())
+
+
+# name -> (argument changes, exception, message), each naming the argument. topk_ids passed where the weights
+# go (int64, the same shape) weighted each row by its expert id; float offsets and tensors on another device
+# were read without an error.
+REDUCE_BAD = {
+    "ids_as_weights": (lambda: dict(topk_weights=torch.randint(0, 4, (3, 2))), TypeError,
+                       r"topk_weights: dtype torch.int64 is not allowed; allowed: torch.float32"),
+    "float_offsets": (lambda: dict(expert_offsets=torch.tensor([0.0, 4.0, 6.0])), TypeError,
+                      r"expert_offsets: dtype torch.float32 is not allowed; allowed: torch.int32, torch.int64"),
+    "weights_on_meta": (lambda: dict(topk_weights=torch.rand(3, 2, device="meta")), ValueError,
+                        r"topk_weights: on meta, but y is on cpu; all tensors must share one device"),
+    "offsets_on_meta": (lambda: dict(expert_offsets=torch.tensor([0, 4, 6], dtype=torch.int32, device="meta")), ValueError,
+                        r"expert_offsets: on meta, but y is on cpu"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(REDUCE_BAD))
+def test_weighted_reduce_rejects_bad_args(case):
+    changes, exc, match = REDUCE_BAD[case]
+    with pytest.raises(exc, match=match):
+        OPS.weighted_reduce(*reduce_call_args(**changes()))
 
 
 # ---- activation ----------------------------------------------------------------------------------
