@@ -5,8 +5,10 @@ where row r reads a[gather_idx[r]] when gather_idx is given (GEMM1 reads tokens)
 (GEMM2 reads the grouped intermediate). Rows from offsets[E] on (dropped pairs) are zero.
 
 The reference dequantizes to float32 and multiplies in float32 on any device, without host syncs:
-with torch._grouped_mm where the device has it for the dtype (the offsets stay on the device),
-otherwise with a per-row batched product over row chunks. It dequantizes the whole weight on every
+with torch._grouped_mm where the device has it for the dtype and the output is stored in that dtype
+(the offsets stay on the device; on CUDA, bf16: the float32 sums come back rounded to bf16, and a bias
+is added to them in float32 before the output's own rounding), otherwise with a per-row batched
+product over row chunks. It dequantizes the whole weight on every
 call, which costs time and memory: it is the correctness baseline, not the fast path.
 """
 from __future__ import annotations
@@ -155,7 +157,10 @@ def grouped_gemm(
         x = torch.where(ok, rows, 0.0)
     if w_dtype == "none":
         wf = w
-        if (x.device.type, w.dtype) in _NATIVE_GROUPED_MM and a_dtype == "none" and a.dtype == w.dtype:
+        # torch._grouped_mm returns its float32 sums rounded to w's dtype (on CUDA a float32 output takes
+        # its fallback, which reads the offsets on the host): native only for an output of that dtype.
+        native = (x.device.type, w.dtype) in _NATIVE_GROUPED_MM and out_dtype == w.dtype
+        if native and a_dtype == "none" and a.dtype == w.dtype:
             x = x.to(w.dtype)  # exact: x came from w's dtype (another dtype's x would be rounded)
         else:
             wf = w.float()

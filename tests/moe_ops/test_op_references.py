@@ -186,6 +186,25 @@ def test_grouped_gemm_bf16_weights_take_grouped_mm_as_on_cuda(rows_dtype, monkey
     assert calls == ([torch.bfloat16] if rows_dtype == torch.bfloat16 else [])
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_gemm_bf16_with_a_float32_output_is_not_rounded_to_bf16(bias, monkeypatch):
+    """CUDA's native bf16 grouped GEMM returns its float32 sums rounded to bf16 (a float32 output would take
+    its fallback, which reads the offsets on the host). Asked for a float32 output, bf16 rows and weights
+    take the float32 batched product instead and match float64 to float32 rounding (CUDA's native set
+    simulated on the CPU, whose bf16 torch._grouped_mm rounds alike). They came back bf16-rounded."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is missing")
+    calls = []
+    monkeypatch.setattr(torch, "_grouped_mm", _cuda_like_grouped_mm(calls))
+    monkeypatch.setattr(gemm, "_NATIVE_GROUPED_MM", {("cpu", torch.bfloat16)})
+    a, _, offsets, x = gemm_inputs(torch.bfloat16, gather=False, dropped=2, empty=1)
+    w = (torch.randn(5, 40, a.shape[1]) / a.shape[1] ** 0.5).bfloat16()
+    b = torch.randn(5, 40) if bias else None
+    out = call_gemm(a, w, b, offsets, None, torch.float32)
+    assert out.dtype == torch.float32 and calls == []
+    assert_close(out, expected_gemm(x, w.double(), b.double() if bias else None, offsets), torch.float32)
+
+
 @pytest.mark.parametrize("chunk_rows", [0, 1, 3])
 def test_grouped_gemm_batched_product_in_row_chunks(chunk_rows, monkeypatch):
     """The batched product (K = 45: rows not 16-byte aligned) materialises one dequantized [N, K] weight per
