@@ -126,6 +126,16 @@ def grid_bias(num_experts):
     return (torch.randn(num_experts) * 25).round() / 256
 
 
+def _assert_routes_as(weights, ids, logits, top_k, bias, reference, cfg):
+    """ids in order and weights to ROUTE_RTOL against the float64 `reference`, row by row."""
+    bias64 = None if bias is None else bias.double().tolist()
+    for r, row in enumerate(logits.double().tolist()):
+        want_ids, want_w = reference(row, top_k, bias64, cfg)
+        assert ids[r].tolist() == want_ids, f"row {r}: ids {ids[r].tolist()}, the model's (lower id wins ties) {want_ids}"
+        for j, w in enumerate(want_w):
+            assert abs(weights[r, j].item() - w) <= ROUTE_RTOL * abs(w), f"row {r}, expert {want_ids[j]}: {weights[r, j].item()} != {w}"
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("model", list(MODELS))
@@ -142,14 +152,7 @@ def test_route_matches_model_routing_float64(model, dtype, layout):
     weights, ids = moe_ops.route(logits, top_k, e_score_correction_bias=bias, **kwargs)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int32
     assert weights.shape == ids.shape == (m, top_k) and weights.is_contiguous() and ids.is_contiguous()
-    bias64 = None if bias is None else bias.double().tolist()
-    for r, row in enumerate(logits.double().tolist()):
-        want_ids, want_w = reference(row, top_k, bias64, cfg)
-        got_ids = ids[r].tolist()
-        assert got_ids == want_ids, f"row {r}: ids {got_ids}, the model's (lower id wins ties) {want_ids}"
-        for j, w in enumerate(want_w):
-            got = weights[r, j].item()
-            assert abs(got - w) <= ROUTE_RTOL * abs(w), f"row {r}, expert {want_ids[j]}: weight {got} != {w}"
+    _assert_routes_as(weights, ids, logits, top_k, bias, reference, cfg)
 
 
 def _tied_logits(m, num_experts):
@@ -257,17 +260,6 @@ def test_a_nan_correction_bias_makes_every_weight_nan():
     weights, ids = moe_ops.route(torch.randn(4, 6), 3, scoring="sigmoid", num_expert_group=2, topk_group=1,
                                  e_score_correction_bias=bias)  # fmt: skip
     assert weights.isnan().all() and ((ids >= 0) & (ids < 6)).all()
-
-
-
-def _assert_routes_as(weights, ids, logits, top_k, bias, reference, cfg):
-    """ids in order and weights to ROUTE_RTOL against the float64 `reference`, row by row."""
-    bias64 = None if bias is None else bias.double().tolist()
-    for r, row in enumerate(logits.double().tolist()):
-        want_ids, want_w = reference(row, top_k, bias64, cfg)
-        assert ids[r].tolist() == want_ids, f"row {r}: ids {ids[r].tolist()}, the model's {want_ids}"
-        for j, w in enumerate(want_w):
-            assert abs(weights[r, j].item() - w) <= ROUTE_RTOL * abs(w), f"row {r}, expert {want_ids[j]}: {weights[r, j].item()} != {w}"
 
 
 def test_groups_of_one_expert_with_a_correction_bias():
