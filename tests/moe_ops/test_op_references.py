@@ -12,6 +12,8 @@ import torch
 import moe_ops  # noqa: F401  (registers the ops)
 from moe_ops import gemm  # only to patch its path choice and chunk size, never for an expectation
 
+from ..decoders import decode_e2m1_packed  # the tests' own float64 decoders, not moe_ops'
+
 OPS = torch.ops.moe_ops
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -283,18 +285,12 @@ GEMM_BAD = {
 }  # fmt: skip
 
 
-# e2m1 code -> value (bit 3 the sign), from the OCP microscaling spec
-E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
-
-
 @pytest.mark.parametrize("global_scale", ["one", "per_expert"])
 def test_grouped_gemm_nvfp4_weights_with_one_or_per_expert_global_scale(global_scale):
     """nvfp4 weights take one global scale for all experts ([1]) or one per expert ([E]); decoded here as
     e2m1(nibble) * fp8 group scale (1x16) * global scale, element 2j in the low nibble of byte j."""
     w = _nvfp4_weights(w_global_scale=torch.rand(1 if global_scale == "one" else 4) + 0.5)
-    q = w["w"]
-    codes = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2).long()
-    w64 = E2M1[codes] * w["w_scale"].double().repeat_interleave(16, -1) * w["w_global_scale"].double().view(-1, 1, 1)
+    w64 = decode_e2m1_packed(w["w"]) * w["w_scale"].double().repeat_interleave(16, -1) * w["w_global_scale"].double().view(-1, 1, 1)
     args = gemm_call_args(**w)
     out = OPS.grouped_gemm(*args)
     assert_close(out, expected_gemm(args[0].double(), w64, None, args[12]), torch.float32)
