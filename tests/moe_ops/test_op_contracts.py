@@ -280,6 +280,25 @@ BAD = {
                                       ValueError, r"scale: on meta, but x is on cpu; all tensors must share one device"),
     "quantize_global_scale_on_meta": (lambda: (OPS.quantize, [torch.randn(6, K), "nvfp4", [1, 16], None, torch.ones(1, device="meta")]),
                                       ValueError, r"global_scale: on meta, but x is on cpu"),
+    # Scale-less fp8 failed inside the dequantization; an empty activation global scale, an int bias and
+    # tensors on another device were read without an error.
+    "gemm_fp8_w_without_scale": (lambda: _gemm(w=torch.randn(E, N, K).to(torch.float8_e4m3fn), w_dtype="fp8", w_group=[1, -1]),
+                                 ValueError, r"w_scale: 'fp8' values need their scales, got None"),
+    "gemm_fp8_a_without_scale": (lambda: _gemm(a=torch.randn(3, K).to(torch.float8_e4m3fn), a_dtype="fp8", a_group=[1, -1]),
+                                 ValueError, r"a_scale: 'fp8' values need their scales, got None"),
+    "gemm_nvfp4_a_empty_global": (lambda: _gemm(a=torch.zeros(3, K // 2, dtype=torch.uint8), a_dtype="nvfp4", a_group=[1, 16],
+                                                a_scale=torch.ones(3, K // 16).to(torch.float8_e4m3fn), a_global_scale=torch.ones(0)),
+                                  ValueError, r"a_global_scale: expected one value \[1\], got shape \(0,\)"),
+    "gemm_int_bias": (lambda: _gemm(bias=torch.randint(-3, 4, (E, N), dtype=torch.int32)), TypeError,
+                      r"bias: dtype torch.int32 is not allowed; allowed: torch.float32"),
+    "gemm_bias_on_meta": (lambda: _gemm(bias=torch.randn(E, N, device="meta")), ValueError,
+                          r"bias: on meta, but a is on cpu; all tensors must share one device"),
+    "gemm_w_scale_on_meta": (lambda: _gemm(w=torch.ones(E, N, K, dtype=torch.int8), w_dtype="int8", w_group=[1, -1],
+                                           w_scale=torch.rand(E, N, 1, device="meta")), ValueError, r"w_scale: on meta, but a is on cpu"),
+    "gemm_w_global_scale_on_meta": (lambda: _gemm(w=torch.zeros(E, N, K // 2, dtype=torch.uint8), w_dtype="nvfp4", w_group=[1, 16],
+                                                  w_scale=torch.ones(E, N, K // 16).to(torch.float8_e4m3fn),
+                                                  w_global_scale=torch.rand(E, device="meta")),
+                                    ValueError, r"w_global_scale: on meta, but a is on cpu"),
     "reduce_short_inverse": (lambda: _reduce(inverse=torch.arange(5, dtype=torch.int32)), ValueError,
                              r"inverse: expected shape \(6,\) \(\[M\*k\] for topk_weights \(3, 2\)\), got \(5,\)"),
     "reduce_y_rows": (lambda: _reduce(y=torch.randn(5, N)), ValueError, r"y \(5, 48\): expected M\*k=6 rows for topk_weights \(3, 2\), got 5"),
@@ -289,6 +308,16 @@ BAD = {
     "reduce_1d_weights": (lambda: _reduce(topk_weights=torch.rand(6)), ValueError, r"topk_weights: expected 2-D \[M, k\], got shape \(6,\)"),
     "reduce_float_inverse": (lambda: _reduce(inverse=torch.arange(6.0)), TypeError, r"inverse: dtype torch.float32"),
     "reduce_int_y": (lambda: _reduce(y=torch.ones(6, N, dtype=torch.int32)), TypeError, r"y: dtype torch.int32 is not allowed"),
+    # topk_ids where the weights go (int64, the same shape) weighted each row by its expert id; float
+    # offsets and tensors on another device were read without an error.
+    "reduce_ids_as_weights": (lambda: _reduce(topk_weights=torch.randint(0, 4, (3, 2))), TypeError,
+                              r"topk_weights: dtype torch.int64 is not allowed; allowed: torch.float32"),
+    "reduce_float_offsets": (lambda: _reduce(expert_offsets=torch.tensor([0.0, 4.0, 6.0])), TypeError,
+                             r"expert_offsets: dtype torch.float32 is not allowed; allowed: torch.int32, torch.int64"),
+    "reduce_weights_on_meta": (lambda: _reduce(topk_weights=torch.rand(3, 2, device="meta")), ValueError,
+                               r"topk_weights: on meta, but y is on cpu; all tensors must share one device"),
+    "reduce_offsets_on_meta": (lambda: _reduce(expert_offsets=torch.tensor([0, 4, 6], dtype=torch.int32, device="meta")), ValueError,
+                               r"expert_offsets: on meta, but y is on cpu"),
 }  # fmt: skip
 
 
