@@ -64,7 +64,8 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import SmemAllocator
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
 SMEM_CAPACITY = 232448  # sm_90: 227 KB per block
 _LOG2E = 1.4426950408889634
@@ -281,14 +282,14 @@ class MoeGemmSm90:
         # Swapped: the MMA's M is 64 weight rows per warpgroup, its N the tile's 16 tokens.
         mma_n = self.tile_m if self.swap else self.part_n // self.wg_grid[1]
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             (*self.wg_grid, 1), tiler_mn=(64, mma_n),
         )  # fmt: skip
         a_atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dtype, self.tile_k), dtype
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, self.tile_k), dtype
         )
         b_atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dtype, self.tile_k), dtype
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, self.tile_k), dtype
         )
         sA_layout = cute.tile_to_shape(a_atom, (self.tile_m, self.tile_k, stages), order=(0, 1, 2))
         sB_layout = cute.tile_to_shape(b_atom, (self.part_n, self.tile_k, stages), order=(0, 1, 2))
