@@ -221,6 +221,13 @@ def uses_grid_dependency(device: torch.device) -> bool:
     return _capability(index) >= PDL_MIN_CAPABILITY
 
 
+def compile_options(grid_dependency: bool) -> dict:
+    """Triton's compile options for either plan kernel: launch_pdl when it launches as a programmatic
+    dependent. The kernels do integer work only, so FP fusion changes nothing; saying so keeps Triton
+    3.9 from warning that its default flips in 3.10."""
+    return {"launch_pdl": grid_dependency, "enable_fp_fusion": False}
+
+
 def routing_plan_triton(
     topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, launch: PlanLaunch | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -247,11 +254,11 @@ def routing_plan_triton(
     # covers all older work on the stream, as the kernel before it completes only after its own
     # predecessors (a normal launch starts after them; a programmatic dependent waits for them). The
     # token sum's early reads of topk_weights rely on the same chain (token_sum.py).
-    pdl = {"PDL": True, "launch_pdl": True} if grid_dependency else {"PDL": False}
+    options = {"PDL": grid_dependency, **compile_options(grid_dependency)}
     if launch.method == "keys":
         _routing_plan_by_keys_kernel[(num_experts + 1,)](
             ids, emap, offsets, gather, inverse, *sizes,
-            HAS_MAP=expert_map is not None, CHUNK=launch.chunk, EARLY_LAUNCH=early, num_warps=launch.num_warps, **pdl,
+            HAS_MAP=expert_map is not None, CHUNK=launch.chunk, EARLY_LAUNCH=early, num_warps=launch.num_warps, **options,
         )  # fmt: skip
         return offsets, gather, inverse
     bins = _bins(num_experts)
@@ -260,6 +267,6 @@ def routing_plan_triton(
     _routing_plan_by_blocks_kernel[(grid,)](
         ids, emap, offsets, gather, inverse, scratch, *sizes,
         HAS_MAP=expert_map is not None, BLOCK=launch.block, BINS=bins, SCAN=launch.scan,
-        EARLY_LAUNCH=early, num_warps=launch.num_warps, **pdl,
+        EARLY_LAUNCH=early, num_warps=launch.num_warps, **options,
     )  # fmt: skip
     return offsets, gather, inverse

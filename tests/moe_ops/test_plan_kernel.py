@@ -256,7 +256,7 @@ def _compile_without_gpu(name: str, capability: int, grid_dependency: bool):
     constants = {"HAS_MAP": True, "EARLY_LAUNCH": grid_dependency, "PDL": grid_dependency, **sizes}
     signature |= {c: "constexpr" for c in constants}
     src = ASTSource(getattr(plan_kernel, name), signature, constexprs=constants)
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"launch_pdl": grid_dependency})
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=plan_kernel.compile_options(grid_dependency))
 
 
 @pytest.mark.parametrize("name", sorted(_SIGNATURES))
