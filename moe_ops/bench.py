@@ -275,13 +275,22 @@ def compile_times(name: str) -> dict:
 
 
 def git_commit() -> str:
-    """The commit the records name: $MOE_OPS_COMMIT when set (a tree copied without .git), else HEAD."""
+    """The commit the records name: $MOE_OPS_COMMIT when set (a tree copied without .git), else HEAD,
+    with "-dirty" appended when tracked files differ from it (a tree copied onto a checkout of an
+    older commit, as on the lent GPU host, would otherwise be named by that older commit)."""
     if os.environ.get("MOE_OPS_COMMIT"):
         return os.environ["MOE_OPS_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + ("-dirty" if changed.strip() else "")
+
+
+def short_commit(commit: str) -> str:
+    """A record's commit as the table prints it: 12 hex digits, and "-dirty" if the record says so."""
+    return commit[:12] + ("-dirty" if commit.endswith("-dirty") else "")
 
 
 def progress(i: int, n: int, label: str) -> None:
@@ -340,7 +349,7 @@ def table(records: list[dict]) -> str:
     """The markdown table of results.md: a header line with the run's ceilings, then one row per record."""
     r0 = records[0]
     lines = [
-        f"GPU: {r0['gpu']}; torch {r0['torch']}; commit {r0['commit'][:12]}; measured copy bandwidth "
+        f"GPU: {r0['gpu']}; torch {r0['torch']}; commit {short_commit(r0['commit'])}; measured copy bandwidth "
         f"{r0['bandwidth_Bps'] / 1e12:.2f} TB/s, dense bf16 matmul {r0['matmul_flops'] / 1e12:.0f} TFLOP/s; "
         f"replay floor (a graph of one tiny kernel) {r0['replay_floor_us']:.1f} µs; "
         f"in graph: µs per call in a graph of {r0['graph_calls']} calls, each with its own inputs, and % of their mean SoL",

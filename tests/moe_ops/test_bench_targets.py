@@ -238,3 +238,27 @@ def test_speed_of_light_counts_the_benchmarked_tensors(name):
     # Bandwidth-bound with few tokens, compute-bound with many: each side of max() is reached.
     assert bench.speed_of_light_us(name, 1, 1, 1e12, 1e30) == pytest.approx(per_expert / 1e12 * 1e6)
     assert bench.speed_of_light_us(name, 3, 1, 1e30, 1e12) == pytest.approx(2 * 3 * k * per_expert / 2 / 1e12 * 1e6)
+
+
+def test_records_name_a_changed_tree_as_dirty(tmp_path, monkeypatch):
+    """A tree that differs from HEAD (copied onto an older checkout) must not pass for HEAD."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "f.py").write_text("a = 1\n")
+    git("add", "f.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    head = git("rev-parse", "HEAD")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MOE_OPS_COMMIT", raising=False)
+    (tmp_path / "new.py").write_text("untracked files do not count\n")
+    assert bench.git_commit() == head
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert bench.git_commit() == head + "-dirty"
+    assert bench.short_commit(head + "-dirty") == head[:12] + "-dirty"
+    assert bench.short_commit(head) == head[:12]
+    monkeypatch.setenv("MOE_OPS_COMMIT", "c7dee57")
+    assert bench.git_commit() == "c7dee57"
