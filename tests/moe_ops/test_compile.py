@@ -261,3 +261,19 @@ def test_quantized_schemes_compile_and_match_eager(name):
     assert _compiled_entries(model) == 1
     quantizes = _moe_ops_calls(backend.graphs[-1]).count("quantize")
     assert quantizes == (0 if aq is None else 2)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_bad_input_under_compile_keeps_its_message(fullgraph):
+    """The argument checks run while Dynamo traces. Without fullgraph the TypeError itself comes
+    through; with fullgraph Dynamo reports it as Unsupported ("Observed exception"), whose text still
+    names the argument, the value and what is allowed (README, Errors)."""
+    _reset()
+    layer = moe_ops.FusedMoE(E, TOP_K, H, I, dtype=torch.float32)
+    compiled = torch.compile(layer, fullgraph=fullgraph, dynamic=True)
+    x = torch.randn(5, H, dtype=torch.float64)
+    expected = TypeError if not fullgraph else torch._dynamo.exc.Unsupported
+    message = "hidden_states: dtype torch.float64 is not allowed; allowed: torch.float32, torch.float16, torch.bfloat16"
+    with torch.no_grad(), pytest.raises(expected) as info:
+        compiled(x)
+    assert message in str(info.value)
