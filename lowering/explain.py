@@ -203,7 +203,11 @@ class Explanation:
         return "\n\n".join(self.graphs)
 
     def table(self) -> str:
-        """The markdown table: one row per MoE layer (fused ops, recipe, dtypes, backend or reason)."""
+        """The markdown table: one row per MoE layer (fused ops, recipe, dtypes, backend or reason), or
+        a line saying that no compiled graph held an MoE op chain."""
+        if not self.layers:
+            # A table of no rows reads like a failure to report; say what was looked for instead.
+            return f"no MoE layer: none of the {len(self.graphs)} compiled graph(s) holds a moe_ops grouped_gemm chain"
         lines = ["| layer | fused ops | recipe | dtypes | backend / reason |", "|---|---|---|---|---|"]
         lines += [f"| {r.layer} | {r.fused} | {r.recipe} | {r.dtypes} | {r.backend} |" for r in self.layers]
         return "\n".join(lines)

@@ -195,6 +195,7 @@ def test_graph_without_moe_is_untouched():
     explained = lowering.explain(model, torch.randn(7, 32))
     assert len(explained.graphs) == 1  # the pass ran on the one graph ...
     assert explained.layers == []  # ... and reported no MoE layer
+    assert explained.table() == "no MoE layer: none of the 1 compiled graph(s) holds a moe_ops grouped_gemm chain"
     assert "moe_ops" not in explained.graph and explained.code_lines == []
 
 
