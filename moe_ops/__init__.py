@@ -2,9 +2,11 @@
 torch.compile and capture in CUDA graphs, with plain-PyTorch reference kernels for every device.
 
 Public API: fused_experts, route, expert_intermediates (calibration samples for static scales), FusedMoE, Activation, the quantization vocabulary (moe_ops.quant),
-and support_table() for which backend serves which scheme where.
+support_table() for which backend serves which scheme where, and value_checks(False) to skip the eager
+checks that read tensor values (and their host synchronisation).
 """
 from . import quant
+from ._checks import value_checks
 from .activation import ACTIVATIONS, Activation
 from .backends import support_table
 from .fused_experts import expert_intermediates, fused_experts
@@ -25,6 +27,7 @@ __all__ = [
     "quant",
     "route",
     "support_table",
+    "value_checks",
 ]
 
 

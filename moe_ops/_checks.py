@@ -2,7 +2,9 @@
 what was given and what is allowed, before any kernel runs."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -74,14 +76,34 @@ def expect_choice(name: str, value, allowed: Iterable) -> None:
         raise ValueError(f"{name}: got {value!r}; allowed: {_names(repr(a) for a in allowed)}")
 
 
+# Off inside moe_ops.value_checks(False); a ContextVar, so a block in one thread leaves others alone.
+_VALUE_CHECKS = contextvars.ContextVar("moe_ops_value_checks", default=True)
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool) -> Iterator[None]:
+    """Context manager: inside the block, the eager checks that read tensor values (expert ids within
+    [0, E), expert_map entries, finite calibration samples and weights) run (True, the default) or not
+    (False). Off, an eager call on a GPU makes no host synchronisation (on, it makes one per layer
+    call, for the expert ids), and bad values are handled as under torch.compile: a pair whose expert
+    id is out of range contributes nothing. Shape, dtype and device checks always run."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
+    token = _VALUE_CHECKS.set(enabled)
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS.reset(token)
+
+
 def value_checks_enabled() -> bool:
     """Checks that read tensor values (a device-to-host sync) run only in eager mode: never while
-    torch.compile traces nor while a CUDA graph is being captured."""
+    torch.compile traces nor while a CUDA graph is being captured, nor inside value_checks(False)."""
     if torch.compiler.is_compiling():
-        return False
+        return False  # first: Dynamo then never traces the ContextVar below
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return False
-    return True
+    return _VALUE_CHECKS.get()
 
 
 def has_values(t: torch.Tensor) -> bool:

@@ -941,3 +941,64 @@ def test_compiled_out_of_range_expert_map_values_contribute_nothing(compiled_fus
     assert relative_error(out, moe_float64(x, w13, w2, tw, ids, expert_map=good_map)) <= F32_TOL
     assert (ids == 2).any()  # expert 2 was routed to, so dropping it matters
     assert relative_error(out, _fused(x, w13, w2, tw, ids)) > 1e-2
+
+
+# ---- eager calls inside moe_ops.value_checks(False): as compiled, and without reading values -------
+
+
+def test_value_checks_off_drops_bad_ids_and_map_entries_as_compiled(compiled_fused, monkeypatch):
+    kw = _inputs()
+    x, w13, w2, tw, ids = (kw[n] for n in ("hidden_states", "w13", "w2", "topk_weights", "topk_ids"))
+    bad = ids.clone()
+    bad[1, 0], bad[3, 1] = E, -1
+    bad_map = torch.tensor([0, 1, 7, 3, 2], dtype=torch.int32)  # 7 is no local expert; id 4 maps to 2
+
+    def no_value_reads(self, *args):
+        raise AssertionError("a tensor value was read on the host")
+
+    for args in ((x, w13, w2, tw, bad), (x, w13, w2, tw, ids, bad_map)):
+        with pytest.raises(ValueError, match=r"value"):
+            _fused(*args)  # checked by default ...
+        expected = compiled_fused(*args)
+        with monkeypatch.context() as m, moe_ops.value_checks(False):
+            for name in ("__bool__", "item", "tolist"):
+                m.setattr(torch.Tensor, name, no_value_reads)
+            out = _fused(*args)  # ... not inside the block, which reads no tensor value at all
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"topk_ids: value 4 is outside"):
+        _fused(x, w13, w2, tw, bad)  # the block's end turned the checks back on
+
+
+def test_value_checks_block_restores_on_error_and_nests():
+    from moe_ops._checks import value_checks_enabled
+
+    assert value_checks_enabled()
+    with pytest.raises(RuntimeError, match="inside"):
+        with moe_ops.value_checks(False):
+            assert not value_checks_enabled()
+            with moe_ops.value_checks(True):
+                assert value_checks_enabled()
+            assert not value_checks_enabled()
+            raise RuntimeError("inside")
+    assert value_checks_enabled()
+    with pytest.raises(TypeError, match=r"enabled: expected a bool, got int"):
+        with moe_ops.value_checks(0):
+            pass
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_value_checks_off_eager_cuda_call_makes_no_host_sync():
+    kw = {n: t.cuda() for n, t in _inputs(torch.bfloat16, m=37).items()}
+    _call(kw)  # warm-up: the routing plan's first call compiles it
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="called a synchronizing CUDA operation"):
+            _call(kw)  # the positive control: checked, the expert ids are read on the host
+        with moe_ops.value_checks(False):
+            out = _call(kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = moe_float64(*(kw[n] for n in ("hidden_states", "w13", "w2", "topk_weights", "topk_ids")), intermediate_dtype=torch.bfloat16)
+    assert relative_error(out, ref) <= tolerance(torch.bfloat16)
