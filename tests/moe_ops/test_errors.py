@@ -981,6 +981,16 @@ def test_value_checks_block_restores_on_error_and_nests():
             assert not value_checks_enabled()
             raise RuntimeError("inside")
     assert value_checks_enabled()
+    # A block in one thread leaves the others checked.
+    import threading
+
+    seen = []
+    with moe_ops.value_checks(False):
+        other = threading.Thread(target=lambda: seen.append(value_checks_enabled()))
+        other.start()
+        other.join()
+        seen.append(value_checks_enabled())
+    assert seen == [True, False]
     with pytest.raises(TypeError, match=r"enabled: expected a bool, got int"):
         with moe_ops.value_checks(0):
             pass
