@@ -5,7 +5,8 @@ After `import moe_ops`, `from_pretrained(..., experts_implementation="moe_ops")`
 through moe_ops.fused_experts; one whose gating moe_ops cannot express (a custom _apply_gate other than
 gpt-oss's, a post-expert norm, an unknown act_fn) raises NotImplementedError saying which. The experts
 class's flags are honoured: concatenated or interleaved
-gate/up (is_concatenated), transposed weights (is_transposed: read as column-major views, no copy),
+gate/up (is_concatenated), transposed weights (is_transposed: read as column-major views, no copy;
+row_major_experts re-stores them in place for the CuTe DSL kernels, which read row-major experts),
 biases (has_bias), has_gate, and its act_fn (an activation module, or torch.nn.functional.silu / gelu
 itself as LFM2-MoE holds it; or gpt-oss's clamped SwiGLU). Expert-parallel sentinel ids
 (>= num_experts) are dropped. Importing moe_ops does not import transformers: the implementation is
@@ -101,6 +102,37 @@ def moe_ops_experts_forward(
         activation=experts_activation(self), w13_bias=b13, w2_bias=b2, expert_map=expert_map,
     )  # fmt: skip
     return out.to(hidden_states.dtype)
+
+
+_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def row_major_experts(model: torch.nn.Module) -> list[str]:
+    """Re-store, in place, the weights of every transposed experts module in `model` (is_transposed:
+    gpt-oss, Aria) so that the [E, N, K] views moe_ops reads are row-major; returns the modules' names.
+
+    transformers keeps such weights as contiguous [E, K, N] (gate_up_proj [E, H, 2I], down_proj
+    [E, I, H]), which moe_ops reads as column-major [E, N, K] views. The reference takes them, but
+    the CuTe DSL kernels read row-major experts only, so the lowering runs those layers on the
+    reference (explain() and a warning say so). Afterwards each parameter has the same shape and
+    values, strides (N*K, 1, K): transformers' own experts implementations read it as before, and
+    `.to()` keeps the layout. Call it once after loading and before torch.compile or CUDA-graph
+    capture; each parameter is copied once, so it needs free memory for the largest of them.
+    """
+    changed = []
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not getattr(module, "is_transposed", False):
+                continue
+            params = [p for p in (getattr(module, w, None) for w in _WEIGHTS) if isinstance(p, torch.nn.Parameter) and p.dim() == 3]
+            moved = [p for p in params if not p.transpose(1, 2).is_contiguous()]
+            for p in moved:
+                # .data keeps the Parameter object (optimizer state, hooks, tied references) and gives it
+                # the new storage; the old one is freed with its last reference.
+                p.data = p.data.transpose(1, 2).contiguous().transpose(1, 2)
+            if moved:
+                changed.append(name)
+    return changed
 
 
 def register(module=None) -> None:

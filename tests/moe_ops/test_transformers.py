@@ -172,6 +172,48 @@ def test_gpt_oss_clamped_swiglu_biases_and_transposed_weights(limit, spy):
         assert relative_error(_run(other, ids)[1][0], eager_outs[0]) > 1e-2
 
 
+def test_row_major_experts_restores_transposed_experts_in_place(tmp_path, spy):
+    """row_major_experts re-stores gpt-oss's [E, K, N] experts so the [E, N, K] views moe_ops reads are
+    row-major: same Parameter objects, shapes and values; both implementations give the logits they
+    gave before; a second call and a model without transposed experts change nothing; .to() keeps the
+    layout, and the model saves and loads as before."""
+    model = _build("gpt_oss")
+    ids = _input_ids(seed=9)
+    model.set_experts_implementation("eager")
+    eager_before, _ = _run(model, ids)
+    model.set_experts_implementation("moe_ops")
+    ours_before, _ = _run(model, ids)
+    params = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    assert [m.gate_up_proj.transpose(1, 2).is_contiguous() for m in _experts(model)] == [False] * LAYERS
+
+    names = INTEGRATION.row_major_experts(model)
+    assert names == [n for n, m in model.named_modules() if m in _experts(model)]
+    for m in _experts(model):
+        for w in (m.gate_up_proj, m.down_proj):
+            e, k, n = w.shape
+            assert w.stride() == (n * k, 1, k) and w.transpose(1, 2).is_contiguous()
+    for n, p in model.named_parameters():
+        assert p is params[n][0] and torch.equal(p, params[n][1]), n
+    ours, _ = _run(model, ids)
+    assert relative_error(ours, ours_before) <= TOL and relative_error(ours, eager_before) <= TOL
+    model.set_experts_implementation("eager")
+    assert relative_error(_run(model, ids)[0], eager_before) <= TOL
+    assert len(spy) == 2 * LAYERS
+
+    assert INTEGRATION.row_major_experts(model) == []
+    wide = _experts(model.to(torch.float64))[0].gate_up_proj
+    assert wide.dtype == torch.float64 and wide.transpose(1, 2).is_contiguous()
+    model.float().save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    loaded.set_experts_implementation("eager")
+    assert relative_error(_run(loaded, ids)[0], eager_before) <= TOL
+
+    mixtral = _build("mixtral")
+    pointers = [p.data_ptr() for p in mixtral.parameters()]
+    assert INTEGRATION.row_major_experts(mixtral) == []
+    assert [p.data_ptr() for p in mixtral.parameters()] == pointers
+
+
 @pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
 def test_config_attribute_selects_moe_ops(name, spy):
     reference = _build(name)
