@@ -164,6 +164,9 @@ def device_support(device: torch.device) -> tuple[bool, str]:
     return True, "sm_90"
 
 
+COLUMN_MAJOR = "column-major (transposed) expert weights; the kernels read row-major [E, N, K] weights"
+
+
 def _common(dtype, weight_dtype, hidden, intermediate, num_experts, weight_row_major, quantized) -> str | None:
     """The reason shared by both GEMMs why the kernels cannot serve, or None."""
     if num_experts > MAX_EXPERTS:
@@ -175,7 +178,7 @@ def _common(dtype, weight_dtype, hidden, intermediate, num_experts, weight_row_m
     if weight_dtype != dtype:
         return f"weights in {weight_dtype} with activations in {dtype}"
     if not weight_row_major:
-        return "column-major (transposed) expert weights; the kernels read row-major [E, N, K] weights"
+        return COLUMN_MAJOR
     if hidden % ALIGN or intermediate % ALIGN:
         return f"hidden={hidden} and intermediate={intermediate} must be multiples of {ALIGN}"
     return None

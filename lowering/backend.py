@@ -71,6 +71,10 @@ def _run_down_reduce(args: dict):
 
 _KERNELS = {"gate_up": _run_gate_up, "down_reduce": _run_down_reduce}
 
+# Where column-major experts usually come from (transformers' transposed experts: gpt-oss, Aria), and
+# the one call that re-stores them for the kernels.
+_COLUMN_MAJOR_REMEDY = " (a transformers model's transposed experts: moe_ops.integrations.transformers.row_major_experts(model) re-stores them once)"
+
 
 def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
     common = dict(
@@ -78,6 +82,9 @@ def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
         hidden=recipe["hidden"], intermediate=recipe["intermediate"], num_experts=recipe["num_experts"],
         weight_row_major=recipe["w_row_major"], quantized=recipe["quantized"],
     )  # fmt: skip
+    if recipe["w_column_major"]:
+        # Before the contiguity check, which such a weight fails too: this reason says what to change.
+        return False, interface.COLUMN_MAJOR + _COLUMN_MAJOR_REMEDY
     if not recipe["contiguous"]:
         return False, "a non-contiguous input; the kernels take contiguous tensors"
     wide = {name: dtype for name, dtype in recipe["index_dtypes"].items() if dtype != torch.int32}
@@ -113,6 +120,12 @@ def _choose(op: str, recipe: dict, device: torch.device, tensors: dict | None = 
     return choice
 
 
+def _column_major(w: torch.Tensor) -> bool:
+    """Whether each expert's [N, K] matrix is column-major and the experts dense: a transposed view of a
+    contiguous [E, K, N] (not a row-major weight whose N or K is 1, which is both)."""
+    return not w.is_contiguous() and w.transpose(1, 2).is_contiguous()
+
+
 def _index_dtypes(args: dict, *names: str) -> dict:
     """The dtypes of the index tensors the kernels read through int32 pointers. The primitive ops take
     int64 ones too (a hand-written chain's own plan, a cumsum's offsets), so the recipe must name them."""
@@ -129,7 +142,7 @@ def gate_up_recipe(args: dict) -> dict:
         has_bias=args["bias"] is not None, activation=args["activation"], alpha=float(args["alpha"]),
         limit=float(args["limit"]), interleaved=bool(args["interleaved"]),
         out_quant_dtype=args["out_quant_dtype"], out_quant_group=tuple(args["out_quant_group"]),
-        w_row_major=w.stride(2) == 1, hidden=args["x"].shape[1], num_experts=w.shape[0],
+        w_row_major=w.stride(2) == 1, w_column_major=_column_major(w), hidden=args["x"].shape[1], num_experts=w.shape[0],
         intermediate=w.shape[1] // 2 if gated else w.shape[1],
         quantized=args["a_dtype"] != "none" or args["w_dtype"] != "none" or args["out_quant_dtype"] != "none",
         contiguous=_contiguous(args["x"], w, args["bias"], args["expert_offsets"], args["gather_idx"]),
@@ -142,7 +155,8 @@ def down_reduce_recipe(args: dict) -> dict:
     return dict(
         dtype=args["a"].dtype, w_storage=w.dtype, out_dtype=args["out_dtype"],
         a_dtype=args["a_dtype"], a_group=tuple(args["a_group"]), w_dtype=args["w_dtype"], w_group=tuple(args["w_group"]),
-        has_bias=args["bias"] is not None, w_row_major=w.stride(2) == 1, hidden=w.shape[1], intermediate=args["a"].shape[1],
+        has_bias=args["bias"] is not None, w_row_major=w.stride(2) == 1, w_column_major=_column_major(w), hidden=w.shape[1],
+        intermediate=args["a"].shape[1],
         num_experts=w.shape[0],
         quantized=args["a_dtype"] != "none" or args["w_dtype"] != "none",
         router_weight_dtype=args["topk_weights"].dtype,

@@ -52,6 +52,24 @@ def test_kernels_decline_non_contiguous_inputs(op, name):
     assert not ok and "non-contiguous" in why
 
 
+@pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
+def test_column_major_weights_are_declined_with_the_call_that_fixes_them(op):
+    """A transposed view of a contiguous [E, K, N] weight (what transformers' gpt-oss experts hand
+    moe_ops) is declined as column-major, naming row_major_experts, not as merely non-contiguous; the
+    same values stored row-major are served. A weight strided otherwise is still non-contiguous."""
+    args = _meta_args(op)
+    e, n, k = args["w"].shape
+    args["w"] = torch.empty(e, k, n, dtype=args["w"].dtype, device="meta").transpose(1, 2)
+    ok, why = _support(op, args)
+    assert not ok and why.startswith("column-major (transposed) expert weights")
+    assert "moe_ops.integrations.transformers.row_major_experts(model)" in why
+    args["w"] = torch.empty(e, n, k, dtype=args["w"].dtype, device="meta")
+    assert _support(op, args)[0]
+    args["w"] = torch.empty(e, k, 2 * n, dtype=args["w"].dtype, device="meta")[..., ::2].transpose(1, 2)
+    ok, why = _support(op, args)
+    assert not ok and "non-contiguous" in why
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
 def test_kernels_decline_router_weights_other_than_float32(dtype):
     """down_reduce's kernel reads topk_weights as float32 (interface.down_reduce raises TypeError for
