@@ -1,0 +1,92 @@
+"""python bench/transformers_experts.py [--tokens 1 128 8192]: a transformers gpt-oss experts module at
+gpt-oss-120b's shape (E 128, k 4, H = I = 2880, bf16, random weights and biases), compiled with the
+lowering, as a transformers user runs it:
+- "moe_ops, as loaded": experts_implementation "moe_ops" on the [E, K, N] weights transformers keeps,
+  which moe_ops reads as column-major views; the kernels decline them, so the fused ops run the reference;
+- "moe_ops, row_major_experts": the same after moe_ops.integrations.transformers.row_major_experts;
+- "transformers grouped_mm": transformers' own "grouped_mm" implementation, compiled without the lowering.
+µs per call in CUDA graphs of GRAPH_CALLS calls, each call its own routing (as the benchmark's "in
+graph" column), median of the replays.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import warnings
+
+import torch
+import transformers
+
+import lowering
+from moe_ops.bench import GRAPH_CALLS, SHAPES, capture, graph_inputs, replay_times_us
+from moe_ops.integrations.transformers import row_major_experts
+
+SHAPE = "gpt-oss-120b"
+
+
+def experts_module() -> torch.nn.Module:
+    e, k, h, i = SHAPES[SHAPE]
+    cfg = transformers.GptOssConfig(hidden_size=h, intermediate_size=i, num_local_experts=e, num_experts_per_tok=k)
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    with torch.device("cuda"):
+        experts = GptOssExperts(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, h**-0.5)
+        experts.down_proj.normal_(0, i**-0.5)
+        experts.gate_up_proj_bias.normal_(0, 0.1)
+        experts.down_proj_bias.normal_(0, 0.1)
+    return experts
+
+
+def time_us(experts, implementation: str, fuse: bool, m: int, replays: int) -> float:
+    """Median µs per call of experts(x, ids, weights) compiled (fullgraph) and captured; NaN, with the
+    error printed, where it does not compile or capture."""
+    try:
+        return _time_us(experts, implementation, fuse, m, replays)
+    except Exception as e:  # a peer that cannot be captured is reported, not fatal
+        print(f"{implementation} at M = {m}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        return float("nan")
+
+
+def _time_us(experts, implementation: str, fuse: bool, m: int, replays: int) -> float:
+    experts.config._experts_implementation = implementation
+    sets = [(x, w.to(torch.bfloat16), ids.long()) for x, w, ids in graph_inputs(SHAPE, m)]
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, fullgraph=True)
+    with torch.no_grad(), (lowering.enabled() if fuse else contextlib.nullcontext()):
+        def calls():
+            for x, w, ids in sets:
+                compiled(x, ids, w)
+
+        graph = capture(calls)
+        return statistics.median(replay_times_us(graph, replays)) / GRAPH_CALLS
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 128, 8192])
+    parser.add_argument("--replays", type=int, default=20)
+    args = parser.parse_args(argv)
+    experts = experts_module()
+    rows = {m: {} for m in args.tokens}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for m in args.tokens:
+            rows[m]["moe_ops, as loaded"] = time_us(experts, "moe_ops", True, m, args.replays)
+    print("warnings while running as loaded:", sorted({str(w.message) for w in caught if "moe_ops::" in str(w.message)}))
+    print("row_major_experts:", row_major_experts(torch.nn.ModuleDict({"experts": experts})))
+    for m in args.tokens:
+        rows[m]["moe_ops, row_major_experts"] = time_us(experts, "moe_ops", True, m, args.replays)
+        rows[m]["transformers grouped_mm"] = time_us(experts, "grouped_mm", False, m, args.replays)
+    names = list(rows[args.tokens[0]])
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}; µs per call")
+    print("| M | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for m, row in rows.items():
+        print(f"| {m} | " + " | ".join(f"{row[n]:.1f}" for n in names) + " |")
+
+
+if __name__ == "__main__":
+    main()
