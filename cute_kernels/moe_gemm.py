@@ -259,6 +259,8 @@ class MoeGemmSm90:
         k = cute.assume(k, divby=64)
         b_stride = cute.assume(b_stride, divby=64)
         n_out = cute.assume(n_out, divby=64)
+        # Bias rows are N = 2I, I or H long (multiples of 64; 0 without a bias): its pair loads are aligned.
+        bias_stride = cute.assume(bias_stride, divby=64)
         mA = cute.make_tensor(a_ptr, cute.make_layout((rows_a, k), stride=(k, 1)))
         mB0 = cute.make_tensor(b0_ptr, cute.make_layout((n_part, k, num_experts), stride=(k, 1, b_stride)))
         if const_expr(self.paired):
@@ -796,31 +798,91 @@ class MoeGemmSm90:
                 if m < rows_left and col < n_out:
                     mC[row0 + m, col] = self._value(acc0, acc1, i, mBias, e, col, n_out).to(out_dtype)
         elif const_expr(epi.gate_layout == "interleaved"):
-            # Fragment elements 2j and 2j+1 are adjacent columns (gate, up) of one row.
-            for j in cutlass.range_constexpr(cute.size(acc0) // 2):
-                m, n = tCcC[2 * j]
+            # Fragment elements 4b and 4b+1 are one row's (gate, up) of output column col, 4b+2 and 4b+3
+            # the same column 8 rows down, and a quad's four lanes hold four adjacent columns. Lanes 2q
+            # and 2q+1 swap one value, so each stores two adjacent columns of one row with one 32-bit
+            # store (the even lane the upper row, the odd one the lower), and the column's bias pair is
+            # one 32-bit load for both rows: half the stores and a quarter of the bias loads of one
+            # element at a time (bench/NOTES.md v34).
+            frag = cute.shape(tCcC)
+            assert frag[0][0] == 2 and frag[0][1] == 2 and frag[1] == 1 and frag[2] == 1, frag
+            odd = cute.arch.lane_idx() % 2 == 1
+            pair = cute.make_rmem_tensor((2,), out_dtype)
+            store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
+            for b in cutlass.range_constexpr(cute.size(acc0) // 4):
+                m, n = tCcC[4 * b]
                 col = col0 + n // 2
-                if m < rows_left and col < n_out:
-                    mC[row0 + m, col] = self._gate_up(acc0[2 * j], acc0[2 * j + 1], mBias, e, col, n_out).to(out_dtype)
+                g0, u0, g1, u1 = acc0[4 * b], acc0[4 * b + 1], acc0[4 * b + 2], acc0[4 * b + 3]
+                if const_expr(epi.has_bias):
+                    gb, ub = self._bias_pair(mBias, e, 2 * col, 2 * n_out)
+                    g0, u0, g1, u1 = g0 + gb, u0 + ub, g1 + gb, u1 + ub
+                y0 = _gated(epi.activation, g0, u0, epi.alpha, epi.limit)
+                y1 = _gated(epi.activation, g1, u1, epi.alpha, epi.limit)
+                got = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(odd, y0, y1)), 1)
+                pair[0] = Float32(cutlass.select_(odd, got, y0)).to(out_dtype)
+                pair[1] = Float32(cutlass.select_(odd, y1, got)).to(out_dtype)
+                row = Int32(cutlass.select_(odd, tCcC[4 * b + 2][0], m))
+                first = col - Int32(cutlass.select_(odd, 1, 0))
+                # n_out is even and first is even: first < n_out covers first + 1 too.
+                if row < rows_left and first < n_out:
+                    cute.copy(store, pair, cute.local_tile(mC[row0 + row, None], (2,), (first // 2,)))
         elif const_expr(self.staged):
             self._store_staged(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, sEpi, sDest)
         else:
             # Fragment elements 2j and 2j+1 are adjacent columns of one row: one 32-bit store each.
             pair = cute.make_rmem_tensor((2,), out_dtype)
             store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
+            biases = {}
             for j in cutlass.range_constexpr(cute.size(acc0) // 2):
                 m, n = tCcC[2 * j]
                 col = col0 + n
+                # Rows 8 apart (j even, then odd) share their columns' biases: loaded once, outside the
+                # row's branch so the odd j can reuse them.
+                if const_expr(j % 2 == 0):
+                    biases = self._bias_cols(mBias, e, col, n_out)
                 # n_out is even (a multiple of 64), so col < n_out covers col + 1 too.
                 if m < rows_left and col < n_out:
-                    self._values(acc0, acc1, j, mBias, e, col, n_out, pair)
+                    self._values(acc0, acc1, j, biases, pair)
                     cute.copy(store, pair, cute.local_tile(mC[row0 + m, None], (2,), (col // 2,)))
 
     @cute.jit
-    def _values(self, acc0, acc1, j, mBias, e, col, n_out, pair):
-        """pair[v] = the output dtype's value of fragment element 2j + v (column col + v)."""
+    def _bias_pair(self, mBias, e, col, width):
+        """(bias[e, col], bias[e, col + 1]) in float32, one 32-bit load (col even). A column past the
+        row's width (a partial last tile's, never stored) reads the row's last pair instead."""
+        pair = cute.make_rmem_tensor((2,), mBias.element_type)
+        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mBias.element_type, num_bits_per_copy=2 * mBias.element_type.width)
+        cute.copy(load, cute.local_tile(mBias[e, None], (2,), (cutlass.min(col, width - 2) // 2,)), pair)
+        return pair[0].to(Float32), pair[1].to(Float32)
+
+    @cute.jit
+    def _bias_cols(self, mBias, e, col, n_out):
+        """The biases _values adds at output columns col and col + 1 (col even): () without biases,
+        (b0, b1), or with [gate; up] (gate0, gate1, up0, up1) from columns col and n_out + col."""
+        if const_expr(not self.epi.has_bias):
+            return ()
+        if const_expr(self.epi.gate_layout == "concat"):
+            return (*self._bias_pair(mBias, e, col, n_out), *self._bias_pair(mBias, e, n_out + col, 2 * n_out))
+        return self._bias_pair(mBias, e, col, n_out)
+
+    @cute.jit
+    def _values(self, acc0, acc1, j, biases, pair):
+        """pair[v] = the output dtype's value of fragment element 2j + v (output column col + v, whose
+        biases _bias_cols gave): the bias and the activation ([gate; up] from acc0 and acc1, or relu2)."""
+        epi = self.epi
         for v in cutlass.range_constexpr(2):
-            pair[v] = self._value(acc0, acc1, 2 * j + v, mBias, e, col + v, n_out).to(pair.element_type)
+            y = acc0[2 * j + v]
+            if const_expr(epi.gate_layout == "concat"):
+                u = acc1[2 * j + v]
+                if const_expr(epi.has_bias):
+                    y, u = y + biases[v], u + biases[2 + v]
+                y = _gated(epi.activation, y, u, epi.alpha, epi.limit)
+            else:
+                if const_expr(epi.has_bias):
+                    y = y + biases[v]
+                if const_expr(epi.activation == "relu2"):
+                    y = cute.arch.fmax(y, Float32(0.0))
+                    y = y * y
+            pair[v] = y.to(pair.element_type)
 
     @cute.jit
     def _value(self, acc0, acc1, i, mBias, e, col, n_out):
@@ -880,9 +942,13 @@ class MoeGemmSm90:
             # n_out is a multiple of 64 and chunks are 32 or 64 columns on 32-column boundaries: a
             # chunk is wholly inside or outside the output.
             if first_col < n_out:
+                biases = {}
                 for j in cutlass.range_constexpr(q * chunk // 4, (q + 1) * chunk // 4):
                     m, n = tCcC[2 * j]
-                    self._values(acc0, acc1, j, mBias, e, col0 + n, n_out, pair)
+                    # j even then odd: rows 8 apart, the same columns and biases (the range starts even).
+                    if const_expr(j % 2 == 0):
+                        biases = self._bias_cols(mBias, e, col0 + n, n_out)
+                    self._values(acc0, acc1, j, biases, pair)
                     local = n - col_base - q * chunk
                     cute.copy(store32, pair, cute.local_tile(sEpi[m - row_base, None, warp], (2,), (local // 2,)))
                 cute.arch.sync_warp()
