@@ -712,6 +712,9 @@ class MoeGemmSm90:
             while e < num_experts:
                 if tile < base + e_tiles:
                     n_tile, row0, rows_left = self._tile_coords(sOff, e, tile - base, e_tiles, n_tiles)
+                    # Swapped tiles: the thread's few bias values, loaded before the k-loop hides their
+                    # latency (at M = 1 loaded after it, they cost the layer 1.5-2 µs; NOTES v34).
+                    biases = self._swap_biases(tCcC, mBias, e, n_tile * self.out_n, n_out)
 
                     acc0.fill(0.0)
                     if const_expr(self.num_parts == 2 and not self.wg_part):
@@ -766,17 +769,18 @@ class MoeGemmSm90:
                         # Before the next tile's hand-over overwrites the buffer.
                         cute.arch.barrier(barrier_id=1, number_of_threads=256)
                         if wg_idx == 1:
-                            self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest)
+                            self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest, biases)
                     else:
-                        self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest)
+                        self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest, biases)
                     tile += grid
                 else:
                     e, base, e_tiles = self._next_expert(sOff, num_experts, tile, e, base, e_tiles, n_tiles)
 
     @cute.jit
-    def _epilogue(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, sEpi, sDest):
+    def _epilogue(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, sEpi, sDest, biases):
         """Apply the recipe's epilogue to this thread's accumulators and store its elements of rows
-        < rows_left and columns < n_out (row0 and col0: the tile's first output row and column)."""
+        < rows_left and columns < n_out (row0 and col0: the tile's first output row and column);
+        biases: _swap_biases' values for swapped tiles."""
         epi = self.epi
         out_dtype = mC.element_type
         if const_expr(self.paired):
@@ -789,14 +793,21 @@ class MoeGemmSm90:
                     n, m = tCcC[i]
                     col = col0 + n % 8 + 8 * (n // 16)
                     if m < rows_left and col < n_out:
-                        mC[row0 + m, col] = self._gate_up(acc0[i], acc0[i + 2], mBias, e, col, n_out).to(out_dtype)
+                        g, u = acc0[i], acc0[i + 2]
+                        if const_expr(epi.has_bias):
+                            g, u = g + biases[0], u + biases[1]
+                        mC[row0 + m, col] = _gated(epi.activation, g, u, epi.alpha, epi.limit).to(out_dtype)
         elif const_expr(self.swap):
-            # Element i is (weight row n, token m) of the tile: output row row0 + m, column col0 + n.
+            # Element i is (weight row n, token m) of the tile: output row row0 + m, column col0 + n;
+            # its row half h = (i // 2) % 2 is weight row n or n + 8, whose biases are biases[h].
             for i in cutlass.range_constexpr(cute.size(acc0)):
                 n, m = tCcC[i]
                 col = col0 + n
+                # Inside the branch: at M = 1 one token of the tile's 16 is real, and only its elements
+                # pay for the activation.
                 if m < rows_left and col < n_out:
-                    mC[row0 + m, col] = self._value(acc0, acc1, i, mBias, e, col, n_out).to(out_dtype)
+                    y = self._activate(acc0[i], acc1[i], biases[(i // 2) % 2] if epi.has_bias else ())
+                    mC[row0 + m, col] = y.to(out_dtype)
         elif const_expr(epi.gate_layout == "interleaved"):
             # Fragment elements 4b and 4b+1 are one row's (gate, up) of output column col, 4b+2 and 4b+3
             # the same column 8 rows down, and a quad's four lanes hold four adjacent columns. Lanes 2q
@@ -868,47 +879,53 @@ class MoeGemmSm90:
     def _values(self, acc0, acc1, j, biases, pair):
         """pair[v] = the output dtype's value of fragment element 2j + v (output column col + v, whose
         biases _bias_cols gave): the bias and the activation ([gate; up] from acc0 and acc1, or relu2)."""
-        epi = self.epi
         for v in cutlass.range_constexpr(2):
-            y = acc0[2 * j + v]
-            if const_expr(epi.gate_layout == "concat"):
-                u = acc1[2 * j + v]
-                if const_expr(epi.has_bias):
-                    y, u = y + biases[v], u + biases[2 + v]
-                y = _gated(epi.activation, y, u, epi.alpha, epi.limit)
-            else:
-                if const_expr(epi.has_bias):
-                    y = y + biases[v]
-                if const_expr(epi.activation == "relu2"):
-                    y = cute.arch.fmax(y, Float32(0.0))
-                    y = y * y
-            pair[v] = y.to(pair.element_type)
+            column = biases[v :: 2] if self.epi.has_bias else ()
+            pair[v] = self._activate(acc0[2 * j + v], acc1[2 * j + v], column).to(pair.element_type)
 
     @cute.jit
-    def _value(self, acc0, acc1, i, mBias, e, col, n_out):
-        """Fragment element i of output column col in float32: bias and the activation ([gate; up]
-        from acc0 and acc1, or relu2)."""
+    def _activate(self, y, u, bias):
+        """One output element in float32 from its sums y (and u, the up sum, with [gate; up]) and its
+        biases (bias[0] for y, bias[1] for u; () without): the bias, then the activation."""
         epi = self.epi
-        if const_expr(epi.gate_layout == "concat"):
-            return self._gate_up(acc0[i], acc1[i], mBias, e, col, n_out)
-        y = acc0[i]
         if const_expr(epi.has_bias):
-            y = y + mBias[e, col].to(Float32)
+            y = y + bias[0]
+        if const_expr(epi.gate_layout == "concat"):
+            if const_expr(epi.has_bias):
+                u = u + bias[1]
+            return _gated(epi.activation, y, u, epi.alpha, epi.limit)
         if const_expr(epi.activation == "relu2"):
             y = cute.arch.fmax(y, Float32(0.0))
             y = y * y
         return y
 
     @cute.jit
-    def _gate_up(self, g, u, mBias, e, col, n_out):
-        """act(gate) * up of output column col in float32, from its gate and up sums and biases (for
-        [gate; up] at columns col and n_out + col of the bias row, interleaved at 2 col and 2 col + 1)."""
+    def _swap_biases(self, tCcC, mBias, e, col0, n_out):
+        """A swapped tile's bias values for this thread's weight rows, in float32: () without biases;
+        paired (gate, up) of its one output column; else per row half h (weight rows n and n + 8)
+        (bias,) or with [gate; up] (gate, up). Columns past n_out (a partial last tile's, never
+        stored) read the row's last element instead."""
         epi = self.epi
-        if const_expr(epi.has_bias):
-            gate_col, up_col = (2 * col, 2 * col + 1) if epi.gate_layout == "interleaved" else (col, n_out + col)
-            g = g + mBias[e, gate_col].to(Float32)
-            u = u + mBias[e, up_col].to(Float32)
-        return _gated(epi.activation, g, u, epi.alpha, epi.limit)
+        if const_expr(not (self.swap and epi.has_bias)):
+            return ()
+
+        def at(i, width):
+            return mBias[e, cutlass.min(i, width - 1)].to(Float32)
+
+        if const_expr(self.paired):
+            n = tCcC[0][0]
+            col = col0 + n % 8 + 8 * (n // 16)
+            if const_expr(epi.gate_layout == "interleaved"):
+                return (at(2 * col, 2 * n_out), at(2 * col + 1, 2 * n_out))
+            return (at(col, n_out), at(n_out + col, 2 * n_out))
+        halves = []
+        for h in cutlass.range_constexpr(2):
+            col = col0 + tCcC[2 * h][0]
+            if const_expr(epi.gate_layout == "concat"):
+                halves.append((at(col, n_out), at(n_out + col, 2 * n_out)))
+            else:
+                halves.append((at(col, n_out),))
+        return tuple(halves)
 
     @cute.jit
     def _store_staged(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, sEpi, sDest):
