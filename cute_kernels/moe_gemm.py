@@ -843,7 +843,7 @@ class MoeGemmSm90:
             # Fragment elements 2j and 2j+1 are adjacent columns of one row: one 32-bit store each.
             pair = cute.make_rmem_tensor((2,), out_dtype)
             store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
-            biases = {}
+            biases = ()
             for j in cutlass.range_constexpr(cute.size(acc0) // 2):
                 m, n = tCcC[2 * j]
                 col = col0 + n
@@ -858,7 +858,7 @@ class MoeGemmSm90:
 
     @cute.jit
     def _bias_pair(self, mBias, e, col, width):
-        """(bias[e, col], bias[e, col + 1]) in float32, one 32-bit load (col even). A column past the
+        """(bias[e, col], bias[e, col + 1]) in float32 by one load of both (col even). A column past the
         row's width (a partial last tile's, never stored) reads the row's last pair instead."""
         pair = cute.make_rmem_tensor((2,), mBias.element_type)
         load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mBias.element_type, num_bits_per_copy=2 * mBias.element_type.width)
@@ -959,7 +959,7 @@ class MoeGemmSm90:
             # n_out is a multiple of 64 and chunks are 32 or 64 columns on 32-column boundaries: a
             # chunk is wholly inside or outside the output.
             if first_col < n_out:
-                biases = {}
+                biases = ()
                 for j in cutlass.range_constexpr(q * chunk // 4, (q + 1) * chunk // 4):
                     m, n = tCcC[2 * j]
                     # j even then odd: rows 8 apart, the same columns and biases (the range starts even).
