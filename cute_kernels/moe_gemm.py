@@ -809,34 +809,7 @@ class MoeGemmSm90:
                     y = self._activate(acc0[i], acc1[i], biases[(i // 2) % 2] if epi.has_bias else ())
                     mC[row0 + m, col] = y.to(out_dtype)
         elif const_expr(epi.gate_layout == "interleaved"):
-            # Fragment elements 4b and 4b+1 are one row's (gate, up) of output column col, 4b+2 and 4b+3
-            # the same column 8 rows down, and a quad's four lanes hold four adjacent columns. Lanes 2q
-            # and 2q+1 swap one value, so each stores two adjacent columns of one row with one 32-bit
-            # store (the even lane the upper row, the odd one the lower), and the column's bias pair is
-            # one 32-bit load for both rows: half the stores and a quarter of the bias loads of one
-            # element at a time (bench/NOTES.md v34).
-            frag = cute.shape(tCcC)
-            assert frag[0][0] == 2 and frag[0][1] == 2 and frag[1] == 1 and frag[2] == 1, frag
-            odd = cute.arch.lane_idx() % 2 == 1
-            pair = cute.make_rmem_tensor((2,), out_dtype)
-            store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
-            for b in cutlass.range_constexpr(cute.size(acc0) // 4):
-                m, n = tCcC[4 * b]
-                col = col0 + n // 2
-                g0, u0, g1, u1 = acc0[4 * b], acc0[4 * b + 1], acc0[4 * b + 2], acc0[4 * b + 3]
-                if const_expr(epi.has_bias):
-                    gb, ub = self._bias_pair(mBias, e, 2 * col, 2 * n_out)
-                    g0, u0, g1, u1 = g0 + gb, u0 + ub, g1 + gb, u1 + ub
-                y0 = _gated(epi.activation, g0, u0, epi.alpha, epi.limit)
-                y1 = _gated(epi.activation, g1, u1, epi.alpha, epi.limit)
-                got = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(odd, y0, y1)), 1)
-                pair[0] = Float32(cutlass.select_(odd, got, y0)).to(out_dtype)
-                pair[1] = Float32(cutlass.select_(odd, y1, got)).to(out_dtype)
-                row = Int32(cutlass.select_(odd, tCcC[4 * b + 2][0], m))
-                first = col - Int32(cutlass.select_(odd, 1, 0))
-                # n_out is even and first is even: first < n_out covers first + 1 too.
-                if row < rows_left and first < n_out:
-                    cute.copy(store, pair, cute.local_tile(mC[row0 + row, None], (2,), (first // 2,)))
+            self._store_interleaved(acc0, tCcC, mC, mBias, e, row0, rows_left, col0, n_out)
         elif const_expr(self.staged):
             self._store_staged(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, sEpi, sDest)
         else:
@@ -855,6 +828,67 @@ class MoeGemmSm90:
                 if m < rows_left and col < n_out:
                     self._values(acc0, acc1, j, biases, pair)
                     cute.copy(store, pair, cute.local_tile(mC[row0 + m, None], (2,), (col // 2,)))
+
+    @cute.jit
+    def _store_interleaved(self, acc0, tCcC, mC, mBias, e, row0, rows_left, col0, n_out):
+        """The epilogue of interleaved gate/up rows, stored 4 columns (8 bytes) per thread.
+
+        Fragment elements 4b and 4b+1 are one row's (gate, up) of output column c_b, 4b+2 and 4b+3 the
+        same column 8 rows down, and lane t of a quad holds column 4b' + t (b' = b plus the warpgroup's
+        offset): two blocks give each thread four values v[2h + d] (row half h, block b + d), one for
+        each lane of its quad. A 4x4 transpose across the quad (two butterfly rounds of two shuffles)
+        leaves lane 2h + d with 4 adjacent columns of row half h, block b + d: one 64-bit store, and
+        the quad writes two whole 16-byte row segments, where pairs of 32-bit stores split each row
+        into 8-byte pieces (bench/NOTES.md v35)."""
+        epi = self.epi
+        out_dtype = mC.element_type
+        frag = cute.shape(tCcC)
+        assert frag[0][0] == 2 and frag[0][1] == 2 and frag[1] == 1 and frag[2] == 1, frag
+        blocks = cute.size(acc0) // 4
+        assert blocks % 2 == 0, blocks
+        lane = cute.arch.lane_idx()
+        lo = lane % 2 == 1  # bit 0 of the quad lane: the block (d) this lane stores
+        hi = (lane // 2) % 2 == 1  # bit 1: the row half (h) this lane stores
+        quad_lane = lane % 4
+        quad = cute.make_rmem_tensor((4,), out_dtype)
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=4 * out_dtype.width)
+        for p in cutlass.range_constexpr(blocks // 2):
+            v = [None] * 4
+            for d in cutlass.range_constexpr(2):
+                block = 4 * (2 * p + d)
+                if const_expr(epi.has_bias):
+                    # The column's (gate, up) biases: one load for both row halves.
+                    gb, ub = self._bias_pair(mBias, e, 2 * (col0 + tCcC[block][1] // 2), 2 * n_out)
+                for h in cutlass.range_constexpr(2):
+                    g, u = acc0[block + 2 * h], acc0[block + 2 * h + 1]
+                    if const_expr(epi.has_bias):
+                        g, u = g + gb, u + ub
+                    v[2 * h + d] = _gated(epi.activation, g, u, epi.alpha, epi.limit)
+            # Round 1 (lanes t, t ^ 2): keep the two values for this lane's row half, send the others.
+            keep0, keep1 = Float32(cutlass.select_(hi, v[2], v[0])), Float32(cutlass.select_(hi, v[3], v[1]))
+            send0, send1 = Float32(cutlass.select_(hi, v[0], v[2])), Float32(cutlass.select_(hi, v[1], v[3]))
+            got0 = cute.arch.shuffle_sync_bfly(send0, 2)
+            got1 = cute.arch.shuffle_sync_bfly(send1, 2)
+            # Now a_d = (own value, row half h, block d) and b_d = (lane t ^ 2's, same): lane t keeps the
+            # pair for its own block d = bit 0 and sends the other block's pair to lane t ^ 1.
+            a_own, b_own = Float32(cutlass.select_(lo, keep1, keep0)), Float32(cutlass.select_(lo, got1, got0))
+            a_send, b_send = Float32(cutlass.select_(lo, keep0, keep1)), Float32(cutlass.select_(lo, got0, got1))
+            a_got = cute.arch.shuffle_sync_bfly(a_send, 1)
+            b_got = cute.arch.shuffle_sync_bfly(b_send, 1)
+            # Column j of the four came from quad lane j: j = t (a_own), t ^ 2 (b_own), t ^ 1 (a_got),
+            # t ^ 3 (b_got).
+            for j in cutlass.range_constexpr(4):
+                x = quad_lane ^ j
+                low = Float32(cutlass.select_(x & 2 != 0, b_own, a_own))
+                high = Float32(cutlass.select_(x & 2 != 0, b_got, a_got))
+                quad[j] = Float32(cutlass.select_(x & 1 != 0, high, low)).to(out_dtype)
+            base = 4 * (2 * p)
+            row = Int32(cutlass.select_(hi, tCcC[base + 2][0], tCcC[base][0]))
+            # Block 2p's columns start at (its fragment column / 2) minus this lane's place in the quad.
+            first = col0 + tCcC[base][1] // 2 - quad_lane + Int32(cutlass.select_(lo, 4, 0))
+            # n_out is a multiple of 64 and first of 4: first < n_out covers first + 3 too.
+            if row < rows_left and first < n_out:
+                cute.copy(store, quad, cute.local_tile(mC[row0 + row, None], (4,), (first // 4,)))
 
     @cute.jit
     def _bias_pair(self, mBias, e, col, width):
