@@ -135,6 +135,33 @@ def _gated(kind: str, g, u, alpha: float, limit: float):
     return gc * _sigmoid(gc * alpha) * (uc + 1.0)
 
 
+@cute.jit
+def _quad_transpose(v, kind):
+    """A 4x4 transpose across each quad of lanes: lane t's v[i] (i = 0..3, 32-bit values of type kind)
+    goes to lane i, which returns them as out[t], t = 0..3. Two butterfly rounds of two shuffles:
+    lanes t and t ^ 2 swap the pair meant for the other's half, then lanes t and t ^ 1 the value meant
+    for the other."""
+    quad_lane = cute.arch.lane_idx() % 4
+    lo, hi = quad_lane % 2 == 1, quad_lane // 2 == 1
+    keep0, keep1 = kind(cutlass.select_(hi, v[2], v[0])), kind(cutlass.select_(hi, v[3], v[1]))
+    send0, send1 = kind(cutlass.select_(hi, v[0], v[2])), kind(cutlass.select_(hi, v[1], v[3]))
+    got0 = cute.arch.shuffle_sync_bfly(send0, 2)
+    got1 = cute.arch.shuffle_sync_bfly(send1, 2)
+    # keep_d: this lane's value for lane 2h + d (h its own half); got_d: lane t ^ 2's for the same lane.
+    a_own, b_own = kind(cutlass.select_(lo, keep1, keep0)), kind(cutlass.select_(lo, got1, got0))
+    a_send, b_send = kind(cutlass.select_(lo, keep0, keep1)), kind(cutlass.select_(lo, got0, got1))
+    a_got = cute.arch.shuffle_sync_bfly(a_send, 1)
+    b_got = cute.arch.shuffle_sync_bfly(b_send, 1)
+    # out[j] came from lane j: j = t (a_own), t ^ 2 (b_own), t ^ 1 (a_got), t ^ 3 (b_got).
+    out = []
+    for j in cutlass.range_constexpr(4):
+        x = quad_lane ^ j
+        low = kind(cutlass.select_(x & 2 != 0, b_own, a_own))
+        high = kind(cutlass.select_(x & 2 != 0, b_got, a_got))
+        out.append(kind(cutlass.select_(x & 1 != 0, high, low)))
+    return out
+
+
 class MoeGemmSm90:
     """See the module docstring. tile_n: B rows per tile over all parts (64 to 256). tile_m: 128 rows
     (the two consumer warpgroups take 64 rows each) or 64 (they split the tile's columns instead:
@@ -813,49 +840,95 @@ class MoeGemmSm90:
         elif const_expr(self.staged):
             self._store_staged(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, sEpi, sDest)
         else:
-            # Fragment elements 2j and 2j+1 are adjacent columns of one row: one 32-bit store each.
+            self._store_rows(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out)
+
+    @cute.jit
+    def _store_rows(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out):
+        """The direct epilogue of [gate; up] or ungated rows, stored 8 columns (16 bytes) per thread.
+
+        Fragment elements 2j and 2j+1 are adjacent columns of one row (row half j % 2, block j // 2):
+        lane t of a quad holds columns 2t and 2t + 1 of each 8-column block. Two blocks give each
+        thread four 32-bit words w[2h + d] (row half h, block b + d), each the pair of outputs its lane
+        contributes to that row's 16-byte piece; _quad_transpose gathers piece (h, d) in lane 2h + d.
+        The quad then writes two whole 32-byte sectors (rows r and r + 8, blocks b and b + 1) with one
+        128-bit store each, where 32-bit stores took two instructions of 16 bytes per sector and row
+        (bench/NOTES.md v35: the layer 1-4% faster at M = 8192).
+        An odd last block is stored as before, a 32-bit pair per element pair."""
+        frag = cute.shape(tCcC)
+        assert frag[0][0] == 2 and frag[0][1] == 2 and frag[1] == 1 and frag[2] == 1, frag
+        out_dtype = mC.element_type
+        blocks = cute.size(acc0) // 4
+        quad_lane = cute.arch.lane_idx() % 4
+        lo, hi = quad_lane % 2 == 1, quad_lane // 2 == 1  # the block (d) and row half (h) this lane stores
+        vals = cute.make_rmem_tensor((8,), out_dtype)
+        words = cute.recast_tensor(vals, Int32)
+        piece = cute.make_rmem_tensor((8,), out_dtype)
+        piece_words = cute.recast_tensor(piece, Int32)
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=8 * out_dtype.width)
+        for p in cutlass.range_constexpr(blocks // 2):
+            for d in cutlass.range_constexpr(2):
+                # Both row halves share the block's columns and so its biases: loaded once.
+                biases = self._bias_cols(mBias, e, col0 + tCcC[4 * (2 * p + d)][1], n_out)
+                for h in cutlass.range_constexpr(2):
+                    self._values(acc0, acc1, 2 * (2 * p + d) + h, biases, vals, at=2 * (2 * h + d))
+            out = _quad_transpose([words[0], words[1], words[2], words[3]], Int32)
+            for j in cutlass.range_constexpr(4):
+                piece_words[j] = out[j]
+            base = 4 * (2 * p)
+            row = Int32(cutlass.select_(hi, tCcC[base + 2][0], tCcC[base][0]))
+            # Block 2p's columns start 2t before this lane's; lane 2h + 1 stores block 2p + 1.
+            first = col0 + tCcC[base][1] - 2 * quad_lane + Int32(cutlass.select_(lo, 8, 0))
+            # n_out is a multiple of 64 and first of 8: first < n_out covers the whole piece.
+            if row < rows_left and first < n_out:
+                cute.copy(store, piece, cute.local_tile(mC[row0 + row, None], (8,), (first // 8,)))
+        if const_expr(blocks % 2 == 1):
             pair = cute.make_rmem_tensor((2,), out_dtype)
-            store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
-            biases = ()
-            for j in cutlass.range_constexpr(cute.size(acc0) // 2):
+            pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
+            biases = self._bias_cols(mBias, e, col0 + tCcC[4 * (blocks - 1)][1], n_out)
+            for h in cutlass.range_constexpr(2):
+                j = 2 * (blocks - 1) + h
                 m, n = tCcC[2 * j]
-                col = col0 + n
-                # Rows 8 apart (j even, then odd) share their columns' biases: loaded once, outside the
-                # row's branch so the odd j can reuse them.
-                if const_expr(j % 2 == 0):
-                    biases = self._bias_cols(mBias, e, col, n_out)
                 # n_out is even (a multiple of 64), so col < n_out covers col + 1 too.
-                if m < rows_left and col < n_out:
+                if m < rows_left and col0 + n < n_out:
                     self._values(acc0, acc1, j, biases, pair)
-                    cute.copy(store, pair, cute.local_tile(mC[row0 + m, None], (2,), (col // 2,)))
+                    cute.copy(pair_store, pair, cute.local_tile(mC[row0 + m, None], (2,), ((col0 + n) // 2,)))
 
     @cute.jit
     def _store_interleaved(self, acc0, tCcC, mC, mBias, e, row0, rows_left, col0, n_out):
-        """The epilogue of interleaved gate/up rows, stored 4 columns (8 bytes) per thread.
+        """The epilogue of interleaved gate/up rows, stored 8 columns (16 bytes) per thread.
 
-        Fragment elements 4b and 4b+1 are one row's (gate, up) of output column c_b, 4b+2 and 4b+3 the
-        same column 8 rows down, and lane t of a quad holds column 4b' + t (b' = b plus the warpgroup's
-        offset): two blocks give each thread four values v[2h + d] (row half h, block b + d), one for
-        each lane of its quad. A 4x4 transpose across the quad (two butterfly rounds of two shuffles)
-        leaves lane 2h + d with 4 adjacent columns of row half h, block b + d: one 64-bit store, and
-        the quad writes two whole 16-byte row segments, where pairs of 32-bit stores split each row
-        into 8-byte pieces (bench/NOTES.md v35)."""
-        epi = self.epi
-        out_dtype = mC.element_type
+        Fragment elements 4b and 4b+1 are one row's (gate, up) of one output column, 4b+2 and 4b+3
+        the same column 8 rows down, and lane t of a quad holds column t of each 4-column block b.
+        Four blocks make two rounds of _quad_transpose, each sending lane 2h + d the 4 columns of row
+        half h in block 2d (then 2d + 1) of the four: every lane ends with 8 adjacent columns of one
+        row, and the quad writes two whole 32-byte sectors (rows r and r + 8) with one 128-bit store
+        each, where a 32-bit pair per lane took four instructions of 8 bytes per sector and row
+        (bench/NOTES.md v35: 5% of the layer at M = 8192). A last pair of blocks goes out 4 columns
+        (64 bits) per lane."""
         frag = cute.shape(tCcC)
         assert frag[0][0] == 2 and frag[0][1] == 2 and frag[1] == 1 and frag[2] == 1, frag
         blocks = cute.size(acc0) // 4
         assert blocks % 2 == 0, blocks
-        lane = cute.arch.lane_idx()
-        lo = lane % 2 == 1  # bit 0 of the quad lane: the block (d) this lane stores
-        hi = (lane // 2) % 2 == 1  # bit 1: the row half (h) this lane stores
-        quad_lane = lane % 4
-        quad = cute.make_rmem_tensor((4,), out_dtype)
-        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=4 * out_dtype.width)
-        for p in cutlass.range_constexpr(blocks // 2):
+        for q in cutlass.range_constexpr(blocks // 4):
+            self._store_interleaved_blocks(acc0, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, 4 * q, 4)
+        if const_expr(blocks % 4 == 2):
+            self._store_interleaved_blocks(acc0, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, blocks - 2, 2)
+
+    @cute.jit
+    def _store_interleaved_blocks(self, acc0, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, first_block, count):
+        """_store_interleaved for the `count` (2 or 4) blocks from first_block: lane 2h + d stores row
+        half h of blocks first_block + (count // 2) d + s, s < count // 2."""
+        epi = self.epi
+        out_dtype = mC.element_type
+        per_lane = count // 2  # blocks per lane
+        quad_lane = cute.arch.lane_idx() % 4
+        lo, hi = quad_lane % 2 == 1, quad_lane // 2 == 1  # d and h of this lane
+        piece = cute.make_rmem_tensor((4 * per_lane,), out_dtype)
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=4 * per_lane * out_dtype.width)
+        for s in cutlass.range_constexpr(per_lane):
             v = [None] * 4
             for d in cutlass.range_constexpr(2):
-                block = 4 * (2 * p + d)
+                block = 4 * (first_block + per_lane * d + s)
                 if const_expr(epi.has_bias):
                     # The column's (gate, up) biases: one load for both row halves.
                     gb, ub = self._bias_pair(mBias, e, 2 * (col0 + tCcC[block][1] // 2), 2 * n_out)
@@ -864,31 +937,17 @@ class MoeGemmSm90:
                     if const_expr(epi.has_bias):
                         g, u = g + gb, u + ub
                     v[2 * h + d] = _gated(epi.activation, g, u, epi.alpha, epi.limit)
-            # Round 1 (lanes t, t ^ 2): keep the two values for this lane's row half, send the others.
-            keep0, keep1 = Float32(cutlass.select_(hi, v[2], v[0])), Float32(cutlass.select_(hi, v[3], v[1]))
-            send0, send1 = Float32(cutlass.select_(hi, v[0], v[2])), Float32(cutlass.select_(hi, v[1], v[3]))
-            got0 = cute.arch.shuffle_sync_bfly(send0, 2)
-            got1 = cute.arch.shuffle_sync_bfly(send1, 2)
-            # Now a_d = (own value, row half h, block d) and b_d = (lane t ^ 2's, same): lane t keeps the
-            # pair for its own block d = bit 0 and sends the other block's pair to lane t ^ 1.
-            a_own, b_own = Float32(cutlass.select_(lo, keep1, keep0)), Float32(cutlass.select_(lo, got1, got0))
-            a_send, b_send = Float32(cutlass.select_(lo, keep0, keep1)), Float32(cutlass.select_(lo, got0, got1))
-            a_got = cute.arch.shuffle_sync_bfly(a_send, 1)
-            b_got = cute.arch.shuffle_sync_bfly(b_send, 1)
-            # Column j of the four came from quad lane j: j = t (a_own), t ^ 2 (b_own), t ^ 1 (a_got),
-            # t ^ 3 (b_got).
+            out = _quad_transpose(v, Float32)
             for j in cutlass.range_constexpr(4):
-                x = quad_lane ^ j
-                low = Float32(cutlass.select_(x & 2 != 0, b_own, a_own))
-                high = Float32(cutlass.select_(x & 2 != 0, b_got, a_got))
-                quad[j] = Float32(cutlass.select_(x & 1 != 0, high, low)).to(out_dtype)
-            base = 4 * (2 * p)
-            row = Int32(cutlass.select_(hi, tCcC[base + 2][0], tCcC[base][0]))
-            # Block 2p's columns start at (its fragment column / 2) minus this lane's place in the quad.
-            first = col0 + tCcC[base][1] // 2 - quad_lane + Int32(cutlass.select_(lo, 4, 0))
-            # n_out is a multiple of 64 and first of 4: first < n_out covers first + 3 too.
-            if row < rows_left and first < n_out:
-                cute.copy(store, quad, cute.local_tile(mC[row0 + row, None], (4,), (first // 4,)))
+                piece[4 * s + j] = out[j].to(out_dtype)
+        base = 4 * first_block
+        row = Int32(cutlass.select_(hi, tCcC[base + 2][0], tCcC[base][0]))
+        # The first block's columns start at (its fragment column / 2) minus this lane's place in the
+        # quad; lane 2h + 1 starts per_lane blocks later.
+        first = col0 + tCcC[base][1] // 2 - quad_lane + Int32(cutlass.select_(lo, 4 * per_lane, 0))
+        # n_out is a multiple of 64 and first of 4 * per_lane: first < n_out covers the whole piece.
+        if row < rows_left and first < n_out:
+            cute.copy(store, piece, cute.local_tile(mC[row0 + row, None], (4 * per_lane,), (first // (4 * per_lane),)))
 
     @cute.jit
     def _bias_pair(self, mBias, e, col, width):
@@ -910,12 +969,13 @@ class MoeGemmSm90:
         return self._bias_pair(mBias, e, col, n_out)
 
     @cute.jit
-    def _values(self, acc0, acc1, j, biases, pair):
-        """pair[v] = the output dtype's value of fragment element 2j + v (output column col + v, whose
-        biases _bias_cols gave): the bias and the activation ([gate; up] from acc0 and acc1, or relu2)."""
+    def _values(self, acc0, acc1, j, biases, pair, at=0):
+        """pair[at + v] = the output dtype's value of fragment element 2j + v (output column col + v,
+        whose biases _bias_cols gave): the bias and the activation ([gate; up] from acc0 and acc1, or
+        relu2)."""
         for v in cutlass.range_constexpr(2):
             column = biases[v :: 2] if self.epi.has_bias else ()
-            pair[v] = self._activate(acc0[2 * j + v], acc1[2 * j + v], column).to(pair.element_type)
+            pair[at + v] = self._activate(acc0[2 * j + v], acc1[2 * j + v], column).to(pair.element_type)
 
     @cute.jit
     def _activate(self, y, u, bias):
