@@ -952,9 +952,15 @@ class MoeGemmSm90:
     @cute.jit
     def _bias_pair(self, mBias, e, col, width):
         """(bias[e, col], bias[e, col + 1]) in float32 by one load of both (col even). A column past the
-        row's width (a partial last tile's, never stored) reads the row's last pair instead."""
+        row's width (a partial last tile's, never stored) reads the row's last pair instead.
+        An invariant (ld.global.nc) load: the biases are read-only for the kernel, and saying so lets
+        ptxas issue the epilogue's bias loads ahead of its output stores; as plain loads each waited
+        behind the previous store, which might have written them (gpt-oss's recipe at M = 8192 3.7%
+        faster, bench/NOTES.md v35)."""
         pair = cute.make_rmem_tensor((2,), mBias.element_type)
-        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mBias.element_type, num_bits_per_copy=2 * mBias.element_type.width)
+        load = cute.make_copy_atom(
+            cute.nvgpu.CopyG2ROp(), mBias.element_type, num_bits_per_copy=2 * mBias.element_type.width, invariant=True
+        )
         cute.copy(load, cute.local_tile(mBias[e, None], (2,), (cutlass.min(col, width - 2) // 2,)), pair)
         return pair[0].to(Float32), pair[1].to(Float32)
 
