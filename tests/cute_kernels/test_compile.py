@@ -124,6 +124,18 @@ def test_moe_gemm_variant(variant, tmp_path):
     if kernel.swap:
         # A thread's accumulators are one column of several tokens: element stores.
         assert "st.global.b16" in ptx and "st.global.v4" not in ptx
+    if not kernel.staged and not kernel.swap:
+        # GEMM1's direct stores: after a transpose across each quad, a lane stores 16 bytes of one
+        # row, so a quad writes whole 32-byte sectors (bench/NOTES.md v35). Narrower stores only for
+        # a last odd 8-column block (32-bit pairs) or interleaved's last two blocks (64 bits).
+        stores = set(re.findall(r"st\.global\.[\w.]+", ptx))
+        assert "st.global.v4.b32" in stores, stores
+        assert stores <= {"st.global.v4.b32", "st.global.b32", "st.global.v4.b16"}, stores
+        assert "shfl.sync.bfly" in ptx
+    if epi.has_bias and not kernel.swap:
+        # Bias loads are invariant (ld.global.nc), so ptxas may issue them ahead of the output
+        # stores, which it must otherwise assume alias them (bench/NOTES.md v35).
+        assert "ld.global.nc" in ptx
     assert ".local" not in ptx
     _waits_before_global_access(ptx, kernel.early_b, kernel.gather)
     assert "griddepcontrol.launch_dependents" in ptx
