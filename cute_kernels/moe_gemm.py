@@ -162,6 +162,20 @@ def _quad_transpose(v, kind):
     return out
 
 
+@cute.jit
+def _store_piece(piece, store, mC, tCcC, base, block_col, row0, rows_left, n_out):
+    """Store a quad lane's piece after _quad_transpose: lane 2h + d holds row half h (fragment element
+    base's row, or base + 2's, 8 below) and the piece's width of columns from block_col (the
+    quad's first column, lane 0's) plus d widths; masked to rows < rows_left and columns < n_out."""
+    quad_lane = cute.arch.lane_idx() % 4
+    width = cute.size(piece)
+    row = Int32(cutlass.select_(quad_lane // 2 == 1, tCcC[base + 2][0], tCcC[base][0]))
+    first = block_col + Int32(cutlass.select_(quad_lane % 2 == 1, width, 0))
+    # n_out is a multiple of 64 and first of the width (4 or 8): first < n_out covers the whole piece.
+    if row < rows_left and first < n_out:
+        cute.copy(store, piece, cute.local_tile(mC[row0 + row, None], (width,), (first // width,)))
+
+
 class MoeGemmSm90:
     """See the module docstring. tile_n: B rows per tile over all parts (64 to 256). tile_m: 128 rows
     (the two consumer warpgroups take 64 rows each) or 64 (they split the tile's columns instead:
@@ -859,7 +873,6 @@ class MoeGemmSm90:
         out_dtype = mC.element_type
         blocks = cute.size(acc0) // 4
         quad_lane = cute.arch.lane_idx() % 4
-        lo, hi = quad_lane % 2 == 1, quad_lane // 2 == 1  # the block (d) and row half (h) this lane stores
         vals = cute.make_rmem_tensor((8,), out_dtype)
         words = cute.recast_tensor(vals, Int32)
         piece = cute.make_rmem_tensor((8,), out_dtype)
@@ -874,13 +887,9 @@ class MoeGemmSm90:
             out = _quad_transpose([words[0], words[1], words[2], words[3]], Int32)
             for j in cutlass.range_constexpr(4):
                 piece_words[j] = out[j]
+            # Block 2p's columns start 2t before this lane's.
             base = 4 * (2 * p)
-            row = Int32(cutlass.select_(hi, tCcC[base + 2][0], tCcC[base][0]))
-            # Block 2p's columns start 2t before this lane's; lane 2h + 1 stores block 2p + 1.
-            first = col0 + tCcC[base][1] - 2 * quad_lane + Int32(cutlass.select_(lo, 8, 0))
-            # n_out is a multiple of 64 and first of 8: first < n_out covers the whole piece.
-            if row < rows_left and first < n_out:
-                cute.copy(store, piece, cute.local_tile(mC[row0 + row, None], (8,), (first // 8,)))
+            _store_piece(piece, store, mC, tCcC, base, col0 + tCcC[base][1] - 2 * quad_lane, row0, rows_left, n_out)
         if const_expr(blocks % 2 == 1):
             pair = cute.make_rmem_tensor((2,), out_dtype)
             pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
@@ -922,7 +931,6 @@ class MoeGemmSm90:
         out_dtype = mC.element_type
         per_lane = count // 2  # blocks per lane
         quad_lane = cute.arch.lane_idx() % 4
-        lo, hi = quad_lane % 2 == 1, quad_lane // 2 == 1  # d and h of this lane
         piece = cute.make_rmem_tensor((4 * per_lane,), out_dtype)
         store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=4 * per_lane * out_dtype.width)
         for s in cutlass.range_constexpr(per_lane):
@@ -940,14 +948,9 @@ class MoeGemmSm90:
             out = _quad_transpose(v, Float32)
             for j in cutlass.range_constexpr(4):
                 piece[4 * s + j] = out[j].to(out_dtype)
+        # The first block's columns start at (its fragment column / 2) minus this lane's place in the quad.
         base = 4 * first_block
-        row = Int32(cutlass.select_(hi, tCcC[base + 2][0], tCcC[base][0]))
-        # The first block's columns start at (its fragment column / 2) minus this lane's place in the
-        # quad; lane 2h + 1 starts per_lane blocks later.
-        first = col0 + tCcC[base][1] // 2 - quad_lane + Int32(cutlass.select_(lo, 4 * per_lane, 0))
-        # n_out is a multiple of 64 and first of 4 * per_lane: first < n_out covers the whole piece.
-        if row < rows_left and first < n_out:
-            cute.copy(store, piece, cute.local_tile(mC[row0 + row, None], (4 * per_lane,), (first // (4 * per_lane),)))
+        _store_piece(piece, store, mC, tCcC, base, col0 + tCcC[base][1] // 2 - quad_lane, row0, rows_left, n_out)
 
     @cute.jit
     def _bias_pair(self, mBias, e, col, width):
