@@ -834,10 +834,7 @@ class MoeGemmSm90:
                     n, m = tCcC[i]
                     col = col0 + n % 8 + 8 * (n // 16)
                     if m < rows_left and col < n_out:
-                        g, u = acc0[i], acc0[i + 2]
-                        if const_expr(epi.has_bias):
-                            g, u = g + biases[0], u + biases[1]
-                        mC[row0 + m, col] = _gated(epi.activation, g, u, epi.alpha, epi.limit).to(out_dtype)
+                        mC[row0 + m, col] = self._activate(acc0[i], acc0[i + 2], biases).to(out_dtype)
         elif const_expr(self.swap):
             # Element i is (weight row n, token m) of the tile: output row row0 + m, column col0 + n;
             # its row half h = (i // 2) % 2 is weight row n or n + 8, whose biases are biases[h].
@@ -937,14 +934,10 @@ class MoeGemmSm90:
             v = [None] * 4
             for d in cutlass.range_constexpr(2):
                 block = 4 * (first_block + per_lane * d + s)
-                if const_expr(epi.has_bias):
-                    # The column's (gate, up) biases: one load for both row halves.
-                    gb, ub = self._bias_pair(mBias, e, 2 * (col0 + tCcC[block][1] // 2), 2 * n_out)
+                # The column's (gate, up) biases: one load for both row halves.
+                bias = self._bias_pair(mBias, e, 2 * (col0 + tCcC[block][1] // 2), 2 * n_out) if const_expr(epi.has_bias) else ()
                 for h in cutlass.range_constexpr(2):
-                    g, u = acc0[block + 2 * h], acc0[block + 2 * h + 1]
-                    if const_expr(epi.has_bias):
-                        g, u = g + gb, u + ub
-                    v[2 * h + d] = _gated(epi.activation, g, u, epi.alpha, epi.limit)
+                    v[2 * h + d] = self._activate(acc0[block + 2 * h], acc0[block + 2 * h + 1], bias)
             out = _quad_transpose(v, Float32)
             for j in cutlass.range_constexpr(4):
                 piece[4 * s + j] = out[j].to(out_dtype)
@@ -988,12 +981,12 @@ class MoeGemmSm90:
 
     @cute.jit
     def _activate(self, y, u, bias):
-        """One output element in float32 from its sums y (and u, the up sum, with [gate; up]) and its
+        """One output element in float32 from its sums y (and u, the up sum, with a gate) and its
         biases (bias[0] for y, bias[1] for u; () without): the bias, then the activation."""
         epi = self.epi
         if const_expr(epi.has_bias):
             y = y + bias[0]
-        if const_expr(epi.gate_layout == "concat"):
+        if const_expr(epi.gate_layout != "none"):
             if const_expr(epi.has_bias):
                 u = u + bias[1]
             return _gated(epi.activation, y, u, epi.alpha, epi.limit)
