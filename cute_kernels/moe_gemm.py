@@ -15,10 +15,12 @@ Structure (warp-specialised, persistent):
   bytes; the two advance in lockstep), and rows past the expert's end are zero-filled rather than
   loaded: the tile multiplies them anyway, and zeros cost the tensor cores less energy where the GPU
   runs power-capped (M = 8192: deepseek 8% faster; bench/NOTES.md, v9). GEMM2's A rows are
-  contiguous: with 128-row tiles the same thread loads them with TMA too, on B's barrier (rows past
-  the expert are then the next expert's, or TMA's zeros past the end, multiplied and never stored);
-  at M = 8192 that GEMM2 ran 5-8% faster than with cp.async and zero-filled rows (bench/NOTES.md,
-  v15). With 64-row tiles (weight streaming) GEMM2 keeps the gather path with src(r) = r.
+  contiguous: with 128-row tiles the same thread loads them with TMA too, on B's barrier; at M = 8192
+  that GEMM2 ran 5-8% faster than with cp.async and zero-filled rows (bench/NOTES.md, v15). Rows past
+  the expert then arrive as the next expert's (or TMA's zeros past the end), multiplied and never
+  stored; with 256-row B tiles the consumers zero them in shared memory before their WGMMAs, for the
+  same energy reason (MoeGemmSm90.zero_pad). With 64-row tiles (weight streaming) GEMM2 keeps the
+  gather path with src(r) = r.
 - warpgroups 1 and 2 consume: with 128-row tiles each multiplies 64 of the rows, with 64-row tiles
   (experts with few rows) each takes half of the columns, with 16-row tiles (swapped: the weights
   on WGMMA's M side, see MoeGemmSm90) each takes 64 weight rows of 128, or half of every stage's
@@ -217,6 +219,12 @@ class MoeGemmSm90:
         # (weight streaming) keep cp.async and zero-filled rows: there TMA measured no faster, and at
         # qwen3 M = 1 2 µs slower (bench/NOTES.md, v15).
         self.tma_a = not gather and tile_m == 128
+        # Rows past the expert then arrive as the next expert's data; with 256-row B tiles the consumers
+        # zero them in shared memory before their WGMMAs (at the power cap zeros cost less energy:
+        # deepseek and gpt-oss at M = 8192 0.7-0.9% faster, bench/NOTES.md v27). Not with fewer B rows:
+        # a 128x128 k-tile is bound by shared memory's bandwidth, which the zero stores take from the
+        # WGMMAs (mixtral M = 1024 5-11% slower, v27).
+        self.zero_pad = self.tma_a and tile_n == 256
         # early_weights: the producer starts loading the first tile's weights (and every thread reads the
         # offsets) before waiting for the previous kernel, which must then have written neither (GEMM2
         # after GEMM1; see kernel()). Only without gather: GEMM1's previous kernel is the routing plan.
@@ -748,6 +756,11 @@ class MoeGemmSm90:
             num_k_blocks = cute.size(tCrA, mode=[2])
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+            # sA without its swizzle: the swizzle permutes 16-byte chunks within each 128-byte row, so
+            # a whole row is the same bytes in either view.
+            sA_rows = storage.sA.get_tensor(
+                cute.make_layout((self.tile_m, self.tile_k, stages), stride=(self.tile_k, 1, self.tile_m * self.tile_k))
+            )
 
             tile, e, base, e_tiles = self._walk_start(sOff, num_experts, n_tiles)
             while e < num_experts:
@@ -766,6 +779,14 @@ class MoeGemmSm90:
                         if const_expr(not self.tma_a):
                             pipe_a.consumer_wait(read)
                         pipe_b.consumer_wait(read)
+                        if const_expr(self.zero_pad):
+                            # Zero this warpgroup's share of the rows past the expert before its WGMMAs
+                            # read the stage. The fence and barrier run on every k-tile: under a branch,
+                            # even a warpgroup-uniform one, ptxas serialises the WGMMAs (C7520); they
+                            # measured free (bench/NOTES.md v27).
+                            self._zero_rows(sA_rows, read.index, (wg_idx - 1) * 64, rows_left, ctid % 128)
+                            cute.arch.fence_view_async_shared()
+                            cute.arch.barrier(barrier_id=1 + wg_idx, number_of_threads=128)
                         for kb in cutlass.range_constexpr(num_k_blocks // 2 if self.k_split else num_k_blocks):
                             coord = (None, None, kb, read.index)
                             if const_expr(self.k_split):
@@ -816,6 +837,19 @@ class MoeGemmSm90:
                     tile += grid
                 else:
                     e, base, e_tiles = self._next_expert(sOff, num_experts, tile, e, base, e_tiles, n_tiles)
+
+    @cute.jit
+    def _zero_rows(self, sA_rows, stage, lo, rows_left, t):
+        """Zero rows max(lo, rows_left) .. lo + 63 of A's stage, by the 128 threads of one warpgroup
+        (thread t: 16-byte chunk t % 8 of rows lo + t // 8 + 16 i): a 128-row tile's 64 rows of one
+        consumer warpgroup, 64 elements (128 bytes) each."""
+        zeros = cute.make_rmem_tensor((8,), sA_rows.element_type)
+        zeros.fill(0.0)
+        copy128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sA_rows.element_type, num_bits_per_copy=128)
+        for i in cutlass.range_constexpr(4):
+            r = lo + t // 8 + 16 * i
+            if r >= rows_left:
+                cute.copy(copy128, zeros, cute.local_tile(sA_rows[r, None, stage], (8,), (t % 8,)))
 
     @cute.jit
     def _epilogue(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, sEpi, sDest, biases):

@@ -117,6 +117,14 @@ def test_moe_gemm_variant(variant, tmp_path):
         # GEMM2's contiguous rows in 128-row tiles by TMA (2-D: rows x K), on the weights' barrier.
         assert "cp.async.bulk.tensor.2d.shared::cta.global" in ptx
         assert "cp.async.cg" not in ptx and "cp.async.mbarrier" not in ptx
+    # With 256-row B tiles those rows past the expert are zeroed in shared memory (16-byte stores),
+    # made visible to the WGMMAs (async proxy) by a proxy fence and each consumer warpgroup's own
+    # named barrier; never with narrower tiles, which are bound by shared memory (bench/NOTES.md v27).
+    zero_stores = re.search(r"st\.shared\.v4\.b32\s+\[%r\d+(\+\d+)?\], \{0, 0, 0, 0\};", ptx)
+    assert kernel.zero_pad == (kernel.tma_a and kernel.part_n == 256)
+    assert bool(zero_stores) == kernel.zero_pad
+    assert ("fence.proxy.async.shared::cta" in ptx) == kernel.zero_pad
+    assert bool(re.search(r"bar\.sync\s+%r\d+, 128;", ptx)) == kernel.zero_pad
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     if kernel.staged:
         # GEMM2's epilogue stages rows through shared memory and stores them 16 bytes at a time.
