@@ -26,7 +26,8 @@ Structure (warp-specialised, persistent):
   on WGMMA's M side, see MoeGemmSm90) each takes 64 weight rows of 128, or half of every stage's
   k-blocks of 64 (split-K), with WGMMA (fp32 accumulators); then they
   run the epilogue and store their elements, masked to the rows of the current expert, so partial
-  tiles never write into the next expert's rows.
+  tiles never write into the next expert's rows. GEMM2's 128-row tiles without biases store a tile's
+  outputs while the next tile's first WGMMAs run (MoeGemmSm90.defer).
 - Every warpgroup walks the same sequence of work tiles: tile t = blockIdx.x, then + gridDim.x, ...;
   tiles are numbered expert by expert, and within an expert M-tile fastest, so CTAs running at the
   same time share the expert's weight tile in L2. The walk reads the offsets from a copy in shared
@@ -211,8 +212,6 @@ class MoeGemmSm90:
         # tile_m 16: A and B swapped (see the class docstring); its stores are direct.
         self.swap = tile_m == 16
         self.staged = not gather and not self.swap
-        if 128 * (self.producer_regs + self.num_consumer_wgs * self.consumer_regs) > 65536:
-            raise ValueError("producer and consumer register budgets exceed the 64K-register file")
         self.epi = epilogue
         self.gather = gather
         # A by TMA: GEMM2 (contiguous rows) with 128-row tiles, see the module docstring. 64-row tiles
@@ -225,6 +224,18 @@ class MoeGemmSm90:
         # a 128x128 k-tile is bound by shared memory's bandwidth, which the zero stores take from the
         # WGMMAs (mixtral M = 1024 5-11% slower, v27).
         self.zero_pad = self.tma_a and tile_n == 256
+        # defer: GEMM2's 128-row tiles keep their output values (packed in the output dtype) and store
+        # them one 64-column chunk under each of the next tile's first k-tiles of WGMMAs, instead of
+        # leaving the tensor cores idle while they store (bench/NOTES.md v36: deepseek M = 8192 2-2.5%
+        # faster). Not with biases: their loads would then wait before the next tile's first WGMMAs
+        # (gpt-oss's recipe 2-3% slower).
+        self.defer = self.tma_a and not epilogue.has_bias
+        if self.defer:
+            # The packed outputs live beside the next tile's accumulators; the producer is one TMA
+            # thread, which needs fewer registers than the gathering producers of other variants.
+            self.producer_regs, self.consumer_regs = 40, 232
+        if 128 * (self.producer_regs + self.num_consumer_wgs * self.consumer_regs) > 65536:
+            raise ValueError("producer and consumer register budgets exceed the 64K-register file")
         # early_weights: the producer starts loading the first tile's weights (and every thread reads the
         # offsets) before waiting for the previous kernel, which must then have written neither (GEMM2
         # after GEMM1; see kernel()). Only without gather: GEMM1's previous kernel is the routing plan.
@@ -762,6 +773,11 @@ class MoeGemmSm90:
                 cute.make_layout((self.tile_m, self.tile_k, stages), stride=(self.tile_k, 1, self.tile_m * self.tile_k))
             )
 
+            # defer: the previous tile's packed outputs and where they go (p_rows_left 0: none pending).
+            packed = cute.make_rmem_tensor((cute.size(acc0),), mC.element_type)
+            p_row0 = Int32(0)
+            p_rows_left = Int32(0)
+            p_col0 = Int32(0)
             tile, e, base, e_tiles = self._walk_start(sOff, num_experts, n_tiles)
             while e < num_experts:
                 if tile < base + e_tiles:
@@ -800,6 +816,13 @@ class MoeGemmSm90:
                                 if const_expr(self.num_parts == 2):
                                     cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
                         warpgroup.commit_group()
+                        if const_expr(self.defer):
+                            # One 64-column chunk of the previous tile's outputs under each of the first
+                            # k-tiles' WGMMAs (the rest under the last, with fewer k-tiles than chunks).
+                            for q in cutlass.range_constexpr(self._chunks()):
+                                if kt == cutlass.min(q, k_tiles - 1):
+                                    if p_rows_left > 0:
+                                        self._store_packed(packed, tCcC, mC, p_row0, p_rows_left, p_col0, n_out, sEpi, sDest, q, q + 1)
                         # Keep one k-tile of WGMMAs in flight; free the buffer of the one before it.
                         warpgroup.wait_group(1)
                         if kt > 0:
@@ -832,11 +855,20 @@ class MoeGemmSm90:
                         cute.arch.barrier(barrier_id=1, number_of_threads=256)
                         if wg_idx == 1:
                             self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest, biases)
+                    elif const_expr(self.defer):
+                        for q in cutlass.range_constexpr(self._chunks()):
+                            self._pack(acc0, acc1, tCcC, mBias, e, n_tile * self.out_n, n_out, packed, q, q + 1)
+                        p_row0 = row0
+                        p_rows_left = rows_left
+                        p_col0 = n_tile * self.out_n
                     else:
                         self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest, biases)
                     tile += grid
                 else:
                     e, base, e_tiles = self._next_expert(sOff, num_experts, tile, e, base, e_tiles, n_tiles)
+            if const_expr(self.defer):
+                if p_rows_left > 0:
+                    self._store_packed(packed, tCcC, mC, p_row0, p_rows_left, p_col0, n_out, sEpi, sDest, 0, self._chunks())
 
     @cute.jit
     def _zero_rows(self, sA_rows, stage, lo, rows_left, t):
@@ -1059,10 +1091,36 @@ class MoeGemmSm90:
 
     @cute.jit
     def _store_staged(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, sEpi, sDest):
-        """The epilogue's stores staged through shared memory, 16 bytes wide and row-contiguous: each
-        warp owns 16 rows (fragment elements 2j and 2j+1 are adjacent columns of the row half j % 2,
-        rows 8 apart); per 64-column chunk it writes its values into its own padded [16, EPI_STRIDE]
-        buffer, then each lane stores 16-byte pieces of whole rows to their destination rows."""
+        """The epilogue's values stored through shared memory (_store_packed), each chunk packed
+        (_pack) just before it is stored."""
+        packed = cute.make_rmem_tensor((cute.size(acc0),), mC.element_type)
+        self._store_packed(packed, tCcC, mC, row0, rows_left, col0, n_out, sEpi, sDest, 0, self._chunks(), (acc0, acc1, mBias, e))
+
+    def _chunks(self) -> int:
+        """The staged epilogue's chunks of EPI_COLS columns (fewer with narrow tiles) per warpgroup."""
+        return self.wg_out_n // min(EPI_COLS, self.wg_out_n)
+
+    @cute.jit
+    def _pack(self, acc0, acc1, tCcC, mBias, e, col0, n_out, packed, first, end):
+        """packed[i] = the output value of fragment element i (bias and activation applied), for the
+        elements of chunks first .. end - 1."""
+        chunk = min(EPI_COLS, self.wg_out_n)
+        biases = ()
+        for j in cutlass.range_constexpr(first * chunk // 4, end * chunk // 4):
+            n = tCcC[2 * j][1]
+            # j even then odd: rows 8 apart, the same columns and biases (the range starts even).
+            if const_expr(j % 2 == 0):
+                biases = self._bias_cols(mBias, e, col0 + n, n_out)
+            self._values(acc0, acc1, j, biases, packed, at=2 * j)
+
+    @cute.jit
+    def _store_packed(self, packed, tCcC, mC, row0, rows_left, col0, n_out, sEpi, sDest, first, end, acc=None):
+        """Store chunks first .. end - 1 of _pack's values through shared memory, 16 bytes wide and
+        row-contiguous: each warp owns 16 rows (fragment elements 2j and 2j+1 are adjacent columns of
+        the row half j % 2, rows 8 apart); per 64-column chunk it writes its values into its own padded
+        [16, EPI_STRIDE] buffer, then each lane stores 16-byte pieces of whole rows to their
+        destination rows. acc: (acc0, acc1, mBias, e) to pack each chunk from first, only if it is
+        stored."""
         # The accumulator is ((2 columns, 2 rows 8 apart, N/8 column blocks), 1, 1): element i is in
         # row half (i // 2) % 2.
         frag = cute.shape(tCcC)
@@ -1080,24 +1138,20 @@ class MoeGemmSm90:
                 sDest[m - row_base, warp] = -1
                 if m < rows_left:
                     sDest[m - row_base, warp] = row0 + m
-        pair = cute.make_rmem_tensor((2,), out_dtype)
         piece = cute.make_rmem_tensor((8,), out_dtype)
         store32 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width)
         copy128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=128)
-        for q in cutlass.range_constexpr(self.wg_out_n // chunk):
+        for q in cutlass.range_constexpr(first, end):
             first_col = col0 + col_base + q * chunk
             # n_out is a multiple of 64 and chunks are 32 or 64 columns on 32-column boundaries: a
             # chunk is wholly inside or outside the output.
             if first_col < n_out:
-                biases = ()
+                if const_expr(acc is not None):
+                    self._pack(acc[0], acc[1], tCcC, acc[2], acc[3], col0, n_out, packed, q, q + 1)
                 for j in cutlass.range_constexpr(q * chunk // 4, (q + 1) * chunk // 4):
                     m, n = tCcC[2 * j]
-                    # j even then odd: rows 8 apart, the same columns and biases (the range starts even).
-                    if const_expr(j % 2 == 0):
-                        biases = self._bias_cols(mBias, e, col0 + n, n_out)
-                    self._values(acc0, acc1, j, biases, pair)
                     local = n - col_base - q * chunk
-                    cute.copy(store32, pair, cute.local_tile(sEpi[m - row_base, None, warp], (2,), (local // 2,)))
+                    cute.copy(store32, cute.local_tile(packed, (2,), (j,)), cute.local_tile(sEpi[m - row_base, None, warp], (2,), (local // 2,)))
                 cute.arch.sync_warp()
                 for t in cutlass.range_constexpr(16 * chunk // 8 // 32):
                     r = (lane + 32 * t) // (chunk // 8)

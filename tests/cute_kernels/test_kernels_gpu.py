@@ -113,6 +113,15 @@ def test_every_tile_shape(interface, activation, layout, bias):
             check(interface, 200, 16, 3, 576, 320, activation=activation, layout=layout, bias=bias, tiles=tiles, early=early)
 
 
+@pytest.mark.parametrize("i", [64, 128, 320])
+def test_deferred_stores(interface, i):
+    """GEMM2's 128-row tiles store each tile's outputs under the next tile's first k-tiles, one chunk
+    per k-tile: with K = I of 1, 2 and 5 k-tiles against 4 chunks, over several tiles per CTA (32
+    n-tiles x 8 m-tiles on at most 132 SMs), with and without the early weights."""
+    for early in (True, False):
+        check(interface, 2000, 4, 2, 8192, i, activation="relu2", layout="none", tiles=((128, 256), (128, 256)), early=early)
+
+
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])
 def test_expert_ids_hint_changes_nothing(interface, layout):
     """GEMM1's weight hint at M = 1 (moe_gemm.py) only asks L2 for bytes: for every tile GEMM1 can
