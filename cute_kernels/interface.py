@@ -1,5 +1,6 @@
 """The interface of cute_kernels: support checks (with the reason when a request cannot be served)
-and launchers that take torch tensors, compile on first use and launch on torch's current stream.
+and launchers that take torch tensors, compile on first use and launch on the tensors' GPU, on
+torch's current stream there.
 
 gate_up(x [M, H], w [E, N, H], bias [E, N] | None, offsets [E+1], gather [P], expert_ids [M, k] | None) -> [P, I]
     GEMM1 over the grouped rows, tokens gathered in the kernel, activation (and bias) in the epilogue.
@@ -263,6 +264,14 @@ def _stream(device: torch.device):
     return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
+def _launch(fn, device: torch.device, *args) -> None:
+    """fn(*args, stream) on `device`'s current stream, with `device` current: a launch into a stream
+    of another GPU than the current one fails (a model spread over GPUs in one process calls each
+    layer with whichever GPU current)."""
+    with torch.cuda.device(device):
+        fn(*args, _stream(device))
+
+
 def gemm_compile_args(a_dtype, bias_dtype) -> tuple:
     """Placeholder arguments with MoeGemmSm90.__call__'s types, to compile it without tensors."""
     ad, bd, i32 = _CUTLASS_DTYPE[a_dtype], _CUTLASS_DTYPE[bias_dtype], cutlass.Int32
@@ -315,12 +324,13 @@ def _hint(x: torch.Tensor, gather: torch.Tensor, expert_ids: torch.Tensor | None
 def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride, hint=None):
     num_experts = offsets.shape[0] - 1
     hint_ids, hint_pairs, hint_stride = hint if hint is not None else _hint(a, gather, None)
-    fn(
+    _launch(
+        fn, a.device,
         _ptr(a), _ptr(w_parts[0]), _ptr(w_parts[1]), _ptr(out), _ptr(offsets), _ptr(gather), _ptr(hint_ids),
         _ptr(bias if bias is not None else w_parts[0]),
         Int32(a.shape[0]), Int32(a.shape[1]), Int32(n_part), Int32(num_experts), Int32(b_stride),
         Int32(out.shape[0]), Int32(out.shape[1]), Int32(bias.shape[1] if bias is not None else 0),
-        Int32(hint_pairs), Int32(hint_stride), _stream(a.device),
+        Int32(hint_pairs), Int32(hint_stride),
     )  # fmt: skip
 
 
@@ -400,8 +410,9 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None
     fn = _gemm(epi, False, a.dtype, bias.dtype if bias is not None else a.dtype, sms, *tiles, early=bool(weights_early))
     # GEMM2 gathers nothing: inverse stands in for the gather pointer, which this variant never reads.
     _launch_gemm(fn, a, (w, w), y, offsets, inverse, bias, hidden, hidden * inter)
-    _token_sum(a.dtype)(
-        _ptr(y), _ptr(inverse), _ptr(topk_weights), _ptr(offsets), _ptr(out), Int32(m), Int32(k), Int32(hidden), Int32(num_experts), _stream(a.device),
+    _launch(
+        _token_sum(a.dtype), a.device,
+        _ptr(y), _ptr(inverse), _ptr(topk_weights), _ptr(offsets), _ptr(out), Int32(m), Int32(k), Int32(hidden), Int32(num_experts),
     )  # fmt: skip
     return out
 

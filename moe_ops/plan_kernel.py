@@ -23,6 +23,7 @@ griddepcontrol: there the kernels run in plain stream order (uses_grid_dependenc
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -255,18 +256,21 @@ def routing_plan_triton(
     # predecessors (a normal launch starts after them; a programmatic dependent waits for them). The
     # token sum's early reads of topk_weights rely on the same chain (token_sum.py).
     options = {"PDL": grid_dependency, **compile_options(grid_dependency)}
-    if launch.method == "keys":
-        _routing_plan_by_keys_kernel[(num_experts + 1,)](
-            ids, emap, offsets, gather, inverse, *sizes,
-            HAS_MAP=expert_map is not None, CHUNK=launch.chunk, EARLY_LAUNCH=early, num_warps=launch.num_warps, **options,
+    # Triton launches on the current device's stream: with another GPU current than the tensors' (a
+    # model spread over GPUs in one process) the launch fails. CPU tensors: the Triton interpreter.
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        if launch.method == "keys":
+            _routing_plan_by_keys_kernel[(num_experts + 1,)](
+                ids, emap, offsets, gather, inverse, *sizes,
+                HAS_MAP=expert_map is not None, CHUNK=launch.chunk, EARLY_LAUNCH=early, num_warps=launch.num_warps, **options,
+            )  # fmt: skip
+            return offsets, gather, inverse
+        bins = _bins(num_experts)
+        grid = max(1, triton.cdiv(num_pairs, launch.block))
+        scratch = torch.empty(grid * (bins + 1), dtype=torch.int32, device=device)
+        _routing_plan_by_blocks_kernel[(grid,)](
+            ids, emap, offsets, gather, inverse, scratch, *sizes,
+            HAS_MAP=expert_map is not None, BLOCK=launch.block, BINS=bins, SCAN=launch.scan,
+            EARLY_LAUNCH=early, num_warps=launch.num_warps, **options,
         )  # fmt: skip
-        return offsets, gather, inverse
-    bins = _bins(num_experts)
-    grid = max(1, triton.cdiv(num_pairs, launch.block))
-    scratch = torch.empty(grid * (bins + 1), dtype=torch.int32, device=device)
-    _routing_plan_by_blocks_kernel[(grid,)](
-        ids, emap, offsets, gather, inverse, scratch, *sizes,
-        HAS_MAP=expert_map is not None, BLOCK=launch.block, BINS=bins, SCAN=launch.scan,
-        EARLY_LAUNCH=early, num_warps=launch.num_warps, **options,
-    )  # fmt: skip
     return offsets, gather, inverse

@@ -174,7 +174,7 @@ def launches(monkeypatch) -> dict:
     monkeypatch.setattr(interface, "_launch_gemm", lambda *args, **kwargs: got["launch"].append(args))
     monkeypatch.setattr(interface, "_token_sum", token_sum)
     monkeypatch.setattr(interface, "_ptr", lambda t: None)
-    monkeypatch.setattr(interface, "_stream", lambda device: None)
+    monkeypatch.setattr(interface, "_launch", lambda fn, device, *args: fn(*args, None))
     return got
 
 

@@ -272,9 +272,9 @@ def test_launchers_choose_tiles_for_their_own_k(monkeypatch, op):
     monkeypatch.setattr(interface, "num_sms", lambda index: 132)
     monkeypatch.setattr(interface, "_gemm", lambda *args, **kwargs: None)
     monkeypatch.setattr(interface, "_launch_gemm", lambda *args, **kwargs: None)
-    monkeypatch.setattr(interface, "_token_sum", lambda dtype: lambda *args: None)
+    monkeypatch.setattr(interface, "_token_sum", lambda dtype: None)
     monkeypatch.setattr(interface, "_ptr", lambda t: None)
-    monkeypatch.setattr(interface, "_stream", lambda device: None)
+    monkeypatch.setattr(interface, "_launch", lambda *args: None)
     bf16 = torch.bfloat16
     offsets = torch.tensor([0, m * k] + [m * k] * (e - 1), dtype=torch.int32)
     if op == "gate_up":
