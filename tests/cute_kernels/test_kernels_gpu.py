@@ -1,4 +1,4 @@
-"""The CuTe DSL kernels on a Hopper GPU against moe_ops' reference ops (bf16, float32 accumulation).
+"""The CuTe DSL kernels on a Hopper GPU against moe_ops' reference ops (bf16 and fp16, float32 accumulation).
 
 Outputs are poisoned with NaN before each run, so an element the kernel fails to write fails the test.
 Run on the GPU host: python -m pytest -m gpu tests/cute_kernels
@@ -40,12 +40,15 @@ def run_layer(interface, x, w13, w2, tw, plan, activation="silu", alpha=1.702, l
     return inter, out
 
 
-def check(interface, m, e, k, h, i, skew=0.0, activation="silu", layout="concat", bias=False, w=None, tiles=(None, None), early=True):
-    w13, w2 = w if w is not None else weights(e, h, i, gated=activation != "relu2")
-    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+def check(interface, m, e, k, h, i, skew=0.0, activation="silu", layout="concat", bias=False, w=None, tiles=(None, None), early=True,
+          dtype=torch.bfloat16, bias_dtype=None):  # fmt: skip
+    """The layer through the kernels against the reference ops, in `dtype` (biases in bias_dtype, else
+    dtype); returns the output's relative error."""
+    w13, w2 = w if w is not None else weights(e, h, i, dtype=dtype, gated=activation != "relu2")
+    x = torch.randn(m, h, device="cuda", dtype=dtype)
     tw, ti = routing(m, e, k, skew=skew)
-    b13 = torch.randn(e, w13.shape[1], device="cuda", dtype=torch.bfloat16) / 10 if bias else None
-    b2 = torch.randn(e, h, device="cuda", dtype=torch.bfloat16) / 10 if bias else None
+    b13 = torch.randn(e, w13.shape[1], device="cuda", dtype=bias_dtype or dtype) / 10 if bias else None
+    b2 = torch.randn(e, h, device="cuda", dtype=bias_dtype or dtype) / 10 if bias else None
     ref_inter, ref_out, plan = reference(x, w13, w2, tw, ti, activation, interleaved=layout == "interleaved", b13=b13, b2=b2)
     inter, out = run_layer(interface, x, w13, w2, tw, plan, activation, layout=layout, b13=b13, b2=b2, tiles=tiles, early=early)
     valid = int(plan[0][-1])
@@ -111,6 +114,24 @@ def test_every_tile_shape(interface, activation, layout, bias):
         tiles = (gate[j % len(gate)], down[j % len(down)])
         for early in (True, False):
             check(interface, 200, 16, 3, 576, 320, activation=activation, layout=layout, bias=bias, tiles=tiles, early=early)
+
+
+@pytest.mark.parametrize(
+    "activation,layout,bias_dtype",
+    [("silu", "concat", None), ("gelu", "interleaved", torch.float16), ("swigluoai", "interleaved", torch.float32),
+     ("relu2", "none", torch.float16)],
+)  # fmt: skip
+def test_float16(interface, activation, layout, bias_dtype):
+    """fp16 activations and weights (their own kernel variants: f16 WGMMAs, f16 conversions in the
+    epilogues and the token sum), biases in fp16 or fp32: the rule's 64-row tiles (M = 1, 40) and
+    128-row tiles (M = 1000), then the swapped tiles (weights on WGMMA's M side) at M = 40."""
+    e, k, h, i = 16, 4, 576, 320
+    w = weights(e, h, i, dtype=torch.float16, gated=activation != "relu2")
+    kw = dict(activation=activation, layout=layout, bias=bias_dtype is not None, w=w, dtype=torch.float16, bias_dtype=bias_dtype)
+    for m in (1, 40, 1000):
+        check(interface, m, e, k, h, i, **kw)
+    swapped = interface.SWAP_TILE if layout in interface.SWAP_LAYOUTS else interface.SPLIT_K_TILE
+    check(interface, 40, e, k, h, i, tiles=(swapped, interface.SWAP_TILE), **kw)
 
 
 @pytest.mark.parametrize("i", [64, 128, 320])
@@ -218,3 +239,34 @@ def test_cuda_graph_replay_matches_eager(interface, early):
         torch.cuda.synchronize()
         assert torch.equal(out, layer()), "graph replay differs from eager"
         assert rel_err(out, reference(x, w13, w2, tw, ti)[1]) < TOL, "graph replay differs from the reference ops"
+
+
+def test_launches_follow_the_current_stream(interface):
+    """On a side stream, behind a long sleep and the copy of new inputs: the plan, both GEMMs and the
+    token sum must run on that stream, after the copy. A launch on any other stream would run at once
+    and read the old inputs (and would escape a CUDA-graph capture the same way)."""
+    from moe_ops.plan import routing_plan
+
+    e, k, h, i, m = 16, 2, 512, 256, 64
+    w13, w2 = weights(e, h, i)
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+    tw, ti = routing(m, e, k)
+    new_x, (new_tw, new_ti) = torch.randn_like(x), routing(m, e, k)
+
+    def layer():
+        plan = routing_plan(ti, e, None)
+        inter = interface.gate_up(x, w13, None, plan[0], plan[1], activation="silu", alpha=1.702, limit=7.0, gate_layout="concat")
+        return interface.down_reduce(inter, w2, None, plan[0], tw, plan[2], weights_early=True)
+
+    old_out = layer()  # also compiles
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU clock cycles
+        x.copy_(new_x)
+        tw.copy_(new_tw)
+        ti.copy_(new_ti)
+        out = layer()
+    torch.cuda.synchronize()
+    assert rel_err(out, reference(new_x, w13, w2, new_tw, new_ti)[1]) < TOL
+    assert rel_err(old_out, out) > 0.1  # new inputs, a different output: the check above can fail

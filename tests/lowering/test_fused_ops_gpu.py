@@ -16,7 +16,7 @@ from ..decoders import decode_weight
 from .test_pass import E, build_layer, opcheck
 
 pytestmark = pytest.mark.gpu
-KERNEL_RECIPES = ["bf16", "gpt_oss_bf16"]
+KERNEL_RECIPES = ["bf16", "gpt_oss_bf16", "fp16_bias"]
 
 
 def _cuda(args: list) -> list:

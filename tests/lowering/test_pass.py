@@ -968,6 +968,7 @@ RECIPES = {
     ),
     "gpt_oss": (torch.float32, Q.UNQUANTIZED, SWIGLUOAI, True, True),
     "gpt_oss_bf16": (torch.bfloat16, Q.UNQUANTIZED, SWIGLUOAI, True, False),  # served by the kernels on sm_90
+    "fp16_bias": (torch.float16, Q.UNQUANTIZED, moe_ops.Activation("silu"), True, False),  # likewise, fp16 variants
     # swigluoai with its own alpha and limit (a limit that clips) and halves, not interleaved: gate_up
     # passes the recipe's parameters on, which gpt-oss's defaults alone could not show.
     "swigluoai_alpha_limit": (torch.float32, Q.UNQUANTIZED, moe_ops.Activation("swigluoai", alpha=1.2, limit=1.5), True, False),
