@@ -257,8 +257,10 @@ def routing_plan_triton(
     # token sum's early reads of topk_weights rely on the same chain (token_sum.py).
     options = {"PDL": grid_dependency, **compile_options(grid_dependency)}
     # Triton launches on the current device's stream: with another GPU current than the tensors' (a
-    # model spread over GPUs in one process) the launch fails. CPU tensors: the Triton interpreter.
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+    # model spread over GPUs in one process) the launch fails. A switch costs 2-4 µs of host time, so
+    # only when needed. CPU tensors: the Triton interpreter.
+    switch = device.type == "cuda" and device.index != torch.cuda.current_device()
+    with torch.cuda.device(device) if switch else contextlib.nullcontext():
         if launch.method == "keys":
             _routing_plan_by_keys_kernel[(num_experts + 1,)](
                 ids, emap, offsets, gather, inverse, *sizes,
