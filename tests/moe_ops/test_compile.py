@@ -277,3 +277,28 @@ def test_bad_input_under_compile_keeps_its_message(fullgraph):
     with torch.no_grad(), pytest.raises(expected) as info:
         compiled(x)
     assert message in str(info.value)
+
+
+EXPORT_CHAINS = {
+    "unquantized": (None, ["route", "routing_plan", "grouped_gemm", "activation", "grouped_gemm", "weighted_reduce"]),
+    "fp8_w8a8_per_token": (FP8_PER_TOKEN, [
+        "route", "routing_plan", "quantize", "grouped_gemm", "activation", "quantize", "grouped_gemm", "weighted_reduce",
+    ]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(EXPORT_CHAINS))
+@torch.no_grad()
+def test_torch_export_with_dynamic_tokens(name):
+    """torch.export of a model with FusedMoE and a dynamic token count: the exported program holds the
+    op chain as single nodes and, run at other token counts (1 and 300, exported at 9), computes what
+    eager does."""
+    scheme, chain = EXPORT_CHAINS[name]
+    model = Model(quant_config=scheme).eval()
+    tokens = torch.export.Dim("tokens", min=1, max=4096)
+    program = torch.export.export(model, (torch.randn(9, H),), dynamic_shapes=({0: tokens},))
+    assert _moe_ops_calls(program.graph_module) == chain
+    for m in (1, 300):
+        x = torch.randn(m, H)
+        err = relative_error(program.module()(x), model(x))
+        assert err <= tolerance(torch.float32, "fp8" if scheme else None, fake_quant=scheme is not None), (m, err)
