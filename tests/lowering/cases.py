@@ -11,6 +11,7 @@ from moe_ops.gemm import grouped_gemm
 from moe_ops.plan import routing_plan
 from moe_ops.quant.quantize import quantize
 from moe_ops.reduce import weighted_reduce
+from moe_ops.reference import moe_float64
 
 
 class Experts(nn.Module):
@@ -217,3 +218,17 @@ CASES = {
 def inputs(h: int, e: int, dtype, m: int = 7, k: int = 2):
     topk_weights, topk_ids = routing(m, e, k)
     return torch.randn(m, h).to(dtype), topk_weights, topk_ids
+
+
+def on(args: list, device) -> list:
+    """An op's argument list with its tensors moved to `device`."""
+    return [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def layer_float64(layer: moe_ops.FusedMoE, x: torch.Tensor) -> torch.Tensor:
+    """moe_float64 of a FusedMoE for x [M, H]: its own routing and float weights, the intermediate
+    rounded to x's dtype where that is narrower than float32 (as the layer stores it)."""
+    tw, ti = layer.routing_for(x)
+    w13, w2 = layer.float_weights()
+    narrow = x.dtype if x.dtype != torch.float32 else None
+    return moe_float64(x, w13, w2, tw, ti, activation=layer.activation, intermediate_dtype=narrow)

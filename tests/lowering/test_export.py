@@ -10,7 +10,9 @@ import torch
 
 import lowering
 import moe_ops
-from moe_ops.reference import moe_float64, relative_error, tolerance
+from moe_ops.reference import relative_error, tolerance
+
+from .cases import layer_float64
 
 H, I, E, TOP_K = 64, 32, 8, 2
 
@@ -26,7 +28,5 @@ def test_aot_inductor_package_runs_the_fused_ops(tmp_path):
     runner = torch._inductor.aoti_load_package(path)
     for m in (1, 300):
         x = torch.randn(m, H)
-        tw, ti = layer.routing_for(x)
-        w13, w2 = layer.float_weights()
-        err = relative_error(runner(x), moe_float64(x, w13, w2, tw, ti))
+        err = relative_error(runner(x), layer_float64(layer, x))
         assert err <= tolerance(torch.float32), (m, err)

@@ -13,14 +13,11 @@ from moe_ops.plan import routing_plan
 from moe_ops.reference import moe_float64, relative_error, tolerance
 
 from ..decoders import decode_weight
+from .cases import on
 from .test_pass import E, build_layer, opcheck
 
 pytestmark = pytest.mark.gpu
 KERNEL_RECIPES = ["bf16", "gpt_oss_bf16", "fp16_bias"]
-
-
-def _cuda(args: list) -> list:
-    return [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
 
 
 @pytest.fixture(autouse=True)
@@ -36,13 +33,13 @@ def test_kernel_ops_opcheck_and_float64(recipe, m):
     with require_kernels set so a reference fallback would raise; then the layer the kernels compute
     (gate_up's intermediate fed to down_reduce) against moe_float64."""
     gu, dr, c = build_layer(recipe, m)
-    gu, ids = _cuda(gu), c["topk_ids"].cuda()
+    gu, ids = on(gu, "cuda"), c["topk_ids"].cuda()
     with lowering.enabled(require_kernels=True):
         opcheck(routing_plan, [ids, E, None])
         opcheck(gate_up, gu)
         opcheck(gate_up, [*gu, ids])
         inter, _ = gate_up(*gu)
-        dr = _cuda([inter, *dr[1:]])
+        dr = on([inter, *dr[1:]], "cuda")
         opcheck(down_reduce, dr)
         out = down_reduce(*dr)
     w13 = decode_weight(c["q13"], None)
@@ -64,8 +61,8 @@ def test_router_weights_off_a_16_byte_boundary_run_the_reference(monkeypatch):
 
     gu, dr, c = build_layer("bf16", 13)
     with lowering.enabled(require_kernels=True):
-        inter, _ = gate_up(*_cuda(gu))
-        dr = _cuda([inter, *dr[1:]])
+        inter, _ = gate_up(*on(gu, "cuda"))
+        dr = on([inter, *dr[1:]], "cuda")
         aligned = down_reduce(*dr)
     weights = dr[13]
     shifted = torch.empty(weights.numel() + 1, device="cuda")[1:].view(weights.shape)

@@ -15,6 +15,7 @@ from moe_ops.plan import routing_plan
 from moe_ops.reference import moe_float64, relative_error, tolerance
 
 from ..decoders import decode_weight
+from .cases import layer_float64, on
 from .test_pass import E, build_layer
 
 pytestmark = pytest.mark.gpu
@@ -29,10 +30,6 @@ def _two_hoppers():
         pytest.skip("the CuTe DSL kernels need Hopper (sm_90) GPUs")
     with torch.cuda.device(0):
         yield
-
-
-def _to(args: list, device: torch.device) -> list:
-    return [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
 
 
 @pytest.mark.parametrize("m", (1, 300, 5000))  # both plan kernels: by keys (P <= 4096), by blocks
@@ -52,10 +49,10 @@ def test_kernel_ops_on_the_other_gpu(m):
     """gate_up and down_reduce on cuda:1 with cuda:0 current, require_kernels set (a reference
     fallback would raise): the layer they compute against moe_float64."""
     gu, dr, c = build_layer("bf16", m)
-    gu = _to(gu, OTHER)
+    gu = on(gu, OTHER)
     with lowering.enabled(require_kernels=True):
         inter, _ = gate_up(*gu)
-        out = down_reduce(*_to([inter, *dr[1:]], OTHER))
+        out = down_reduce(*on([inter, *dr[1:]], OTHER))
     assert out.device == OTHER
     ref = moe_float64(c["x"], decode_weight(c["q13"], None), decode_weight(c["q2"], None), c["topk_weights"], c["topk_ids"], activation=c["act"])
     err = relative_error(out.cpu(), ref)
@@ -82,10 +79,7 @@ SHAPE = dict(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128)
 def _check(layer: moe_ops.FusedMoE, x: torch.Tensor, out: torch.Tensor) -> None:
     """out, the layer's output for x, on the layer's GPU and within bf16's tolerance of moe_float64."""
     assert out.device == x.device == layer.w13.device
-    tw, ti = layer.routing_for(x)
-    w13, w2 = layer.float_weights()
-    ref = moe_float64(x, w13, w2, tw, ti, activation=layer.activation, intermediate_dtype=torch.bfloat16)
-    err = relative_error(out, ref)
+    err = relative_error(out, layer_float64(layer, x))
     assert err <= tolerance(torch.bfloat16), f"relative error {err} against moe_float64 on {x.device}"
 
 
