@@ -2,8 +2,9 @@
 
 - moe_gemm.py: the persistent, warp-specialised grouped GEMM over experts (gathered or grouped A rows,
   TMA weights, WGMMA, fused activation / bias epilogue);
-- weighted_reduce.py: the deterministic router-weighted reduction of each token's k rows;
-- compile.py: compile once, cache in memory and on disk;
+- token_sum.py: the deterministic router-weighted sum of each token's k rows;
+- compile.py: compile once (TVM-FFI calling: ints for pointers, scalars and the stream), cache in
+  memory and on disk;
 - interface.py: what callers use: support checks with reasons, and launchers taking torch tensors.
 This package imports nothing from moe_ops or lowering.
 """

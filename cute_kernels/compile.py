@@ -7,6 +7,11 @@ milliseconds instead of compiling. The disk key also hashes this package's sourc
 so editing a kernel invalidates its cached binaries. Launches never compile: callers compile on first
 use, which happens in eager warm-up before any CUDA-graph capture.
 
+Kernels are compiled with TVM-FFI calling (apache-tvm-ffi): the compiled function takes plain ints
+for pointers, scalars and the stream, and converts them in C (about 4 µs per call on the GPU host).
+The DSL's own calling convention wraps each argument in a Python object first (make_ptr, Int32,
+CUstream): with it an eager gate_up cost 104-117 µs of host time, 28-37 µs now (bench/NOTES.md v38).
+
 Cache directory: $MOE_OPS_CUTE_CACHE, else ~/.cache/moe_ops/cute.
 """
 from __future__ import annotations
@@ -21,6 +26,10 @@ from pathlib import Path
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+try:
+    import tvm_ffi  # noqa: F401  (the DSL imports it only when compiling; fail here with the fix)
+except ImportError as e:
+    raise ImportError(f"cute_kernels launches its kernels through TVM-FFI: pip install 'apache-tvm-ffi==0.1.15.post2' (the [cute] extra) ({e})") from e
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass.cute import AddressSpace  # noqa: E402
@@ -29,7 +38,7 @@ from cutlass.cute.runtime import load_module, make_fake_stream, make_ptr  # noqa
 ARCH = "sm_90a"
 # The target is given per compile: the DSL reads CUTE_DSL_ARCH only when it is first imported, which
 # may happen before this module (its default target is sm_100a).
-OPTIONS = f"--gpu-arch {ARCH}"
+OPTIONS = f"--gpu-arch {ARCH} --enable-tvm-ffi"
 _SOURCES = sorted(Path(__file__).parent.glob("*.py"))
 _memory: dict[str, object] = {}
 _lock = threading.Lock()
@@ -58,7 +67,9 @@ def fake_ptr(dtype) -> cute.Pointer:
 
 
 def fake_stream():
-    return make_fake_stream()
+    # A stream argument of the signature (not the TVM-FFI environment's stream, which is set only
+    # when a call passes tensors): launchers pass torch's current stream as an int.
+    return make_fake_stream(use_tvm_ffi_env_stream=False)
 
 
 def get(key: str, build: Callable[[], tuple[object, tuple]]):
@@ -75,7 +86,7 @@ def get(key: str, build: Callable[[], tuple[object, tuple]]):
         path = cache_dir() / f"{prefix}.o"
         start = time.perf_counter()
         if path.exists():
-            fn = getattr(load_module(str(path)), prefix)
+            fn = getattr(load_module(str(path), enable_tvm_ffi=True), prefix)
             how = "disk"
         else:
             jit_fn, args = build()
@@ -97,7 +108,7 @@ def _export(fn, path: Path, prefix: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            fn.export_to_c(tmp, prefix, function_prefix=prefix)
+            fn.export_to_c(str(Path(tmp) / f"{prefix}.o"), prefix)
             os.replace(Path(tmp) / f"{prefix}.o", path)
     except Exception as e:  # noqa: BLE001 - OSError, or the DSL's own export errors
         export_errors.append(f"{path.name}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")

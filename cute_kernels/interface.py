@@ -19,11 +19,8 @@ import math
 import torch
 
 from . import compile as cc  # noqa: F401  (sets the target architecture first)
-import cuda.bindings.driver as cuda  # noqa: E402
 import cutlass  # noqa: E402
 from cutlass import Int32  # noqa: E402
-from cutlass.cute import AddressSpace  # noqa: E402
-from cutlass.cute.runtime import make_ptr  # noqa: E402
 
 from .moe_gemm import HINT_MAX_PAIRS, MAX_EXPERTS, Epilogue, MoeGemmSm90  # noqa: E402
 from .token_sum import TokenSumSm90  # noqa: E402
@@ -69,6 +66,9 @@ def _rows_per_expert(pairs: int, num_experts: int) -> tuple[int, int]:
     return active, _cdiv(pairs, active)
 
 
+# Pure and called per launch: an eager call's host time counts at small M (bench/NOTES.md v38). Bounded,
+# since M takes many values under dynamic shapes.
+@functools.lru_cache(maxsize=4096)
 def choose_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int, *, k_dim: int) -> tuple[int, int]:
     """(tile_m, tile_n) for M tokens routed to k of E experts (assumed spread evenly; a host-side
     shape rule, no data read), from bench/tile_sweep.py on an H200 (bench/NOTES.md, v2 and v3):
@@ -159,10 +159,16 @@ def num_sms(device_index: int) -> int:
 def device_support(device: torch.device) -> tuple[bool, str]:
     if device.type != "cuda":
         return False, f"{device.type}: the kernels run on CUDA GPUs"
-    cap = torch.cuda.get_device_capability(device)
+    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
     if cap != (9, 0):
         return False, f"the kernels need Hopper (sm_90: wgmma, TMA); this device is sm_{cap[0]}{cap[1]}"
     return True, "sm_90"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    # get_device_capability reads the device's properties on every call: a few µs per launch.
+    return torch.cuda.get_device_capability(index)
 
 
 COLUMN_MAJOR = "column-major (transposed) expert weights; the kernels read row-major [E, N, K] weights"
@@ -185,6 +191,7 @@ def _common(dtype, weight_dtype, hidden, intermediate, num_experts, weight_row_m
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def gate_up_support(*, dtype, weight_dtype, activation, gate_layout, has_bias, hidden, intermediate, num_experts,
                     weight_row_major=True, quantized=False) -> tuple[bool, str]:  # fmt: skip
     why = _common(dtype, weight_dtype, hidden, intermediate, num_experts, weight_row_major, quantized)
@@ -195,6 +202,7 @@ def gate_up_support(*, dtype, weight_dtype, activation, gate_layout, has_bias, h
     return (why is None), (why or "CuTe DSL grouped GEMM: gathered rows, TMA weights, WGMMA, fused activation")
 
 
+@functools.lru_cache(maxsize=None)
 def down_reduce_support(*, dtype, weight_dtype, has_bias, hidden, intermediate, num_experts,
                         weight_row_major=True, quantized=False) -> tuple[bool, str]:  # fmt: skip
     why = _common(dtype, weight_dtype, hidden, intermediate, num_experts, weight_row_major, quantized)
@@ -238,7 +246,7 @@ def _check_tensors(**specs) -> None:
             raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
         if t.dtype not in dtypes:
             raise TypeError(f"{name}: dtype {t.dtype}; the kernels take {', '.join(map(str, dtypes))}")
-        if t.dim() != len(shape) or any(want is not None and want != got for want, got in zip(shape, t.shape)):
+        if not _shape_matches(t.shape, shape):
             want = "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
             raise ValueError(f"{name}: shape {list(t.shape)}; expected {want}")
         if not t.is_contiguous():
@@ -248,20 +256,33 @@ def _check_tensors(**specs) -> None:
         device = t.device
 
 
+def _shape_matches(got: torch.Size, want: tuple) -> bool:
+    # A plain loop: any() over a generator costs about 1 µs per tensor, paid on every launch.
+    if len(got) != len(want):
+        return False
+    for w, g in zip(want, got):
+        if w is not None and w != g:
+            return False
+    return True
+
+
 def _check_support(ok_why: tuple[bool, str]) -> None:
     ok, why = ok_why
     if not ok:
         raise ValueError(f"the kernels do not serve this call: {why}")
 
 
-def _ptr(t: torch.Tensor):
-    return make_ptr(_CUTLASS_DTYPE[t.dtype], t.data_ptr(), AddressSpace.gmem, assumed_align=ALIGN_BYTES)
+def _ptr(t: torch.Tensor) -> int:
+    # The kernels are compiled with TVM-FFI calling (compile.py): a pointer argument is its address as
+    # an int. Its element type and alignment (ALIGN_BYTES) were fixed at compile time.
+    return t.data_ptr()
 
 
-def _stream(device: torch.device):
+def _stream(device: torch.device) -> int:
     # torch's current stream: CUDA-graph capture and torch.compile's cudagraphs record it; a kernel
-    # launched on another stream silently escapes the graph.
-    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    # launched on another stream silently escapes the graph. The raw handle, as Inductor's generated
+    # code reads it: torch.cuda.current_stream builds a Stream object (3 µs on the GPU host).
+    return torch._C._cuda_getCurrentRawStream(device.index)
 
 
 def _launch(fn, device: torch.device, *args) -> None:
@@ -290,13 +311,19 @@ def token_sum_compile_args(dtype) -> tuple:
 
 
 def _gemm(epilogue: Epilogue, gather: bool, a_dtype, bias_dtype, sms: int, tile_m: int = 128, tile_n: int = 256, early: bool = False):
-    key = f"moe_gemm:{epilogue}:gather={gather}:{a_dtype}:{bias_dtype}:tile={tile_m}x{tile_n}:sms={sms}" + (":early" if early else "")
+    key = _gemm_key(epilogue, gather, a_dtype, bias_dtype, sms, tile_m, tile_n, early)
 
     def build():
         kernel = MoeGemmSm90(epilogue, tile_n=tile_n, tile_m=tile_m, gather=gather, num_sms=sms, early_weights=early)
         return kernel, gemm_compile_args(a_dtype, bias_dtype)
 
     return cc.get(key, build)
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm_key(epilogue: Epilogue, gather: bool, a_dtype, bias_dtype, sms: int, tile_m: int, tile_n: int, early: bool) -> str:
+    # Formatting the epilogue's repr costs more than the launch itself; the variants are few.
+    return f"moe_gemm:{epilogue}:gather={gather}:{a_dtype}:{bias_dtype}:tile={tile_m}x{tile_n}:sms={sms}" + (":early" if early else "")
 
 
 def _token_sum(dtype):
@@ -331,9 +358,8 @@ def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride, h
         fn, a.device,
         _ptr(a), _ptr(w_parts[0]), _ptr(w_parts[1]), _ptr(out), _ptr(offsets), _ptr(gather), _ptr(hint_ids),
         _ptr(bias if bias is not None else w_parts[0]),
-        Int32(a.shape[0]), Int32(a.shape[1]), Int32(n_part), Int32(num_experts), Int32(b_stride),
-        Int32(out.shape[0]), Int32(out.shape[1]), Int32(bias.shape[1] if bias is not None else 0),
-        Int32(hint_pairs), Int32(hint_stride),
+        a.shape[0], a.shape[1], n_part, num_experts, b_stride, out.shape[0], out.shape[1],
+        bias.shape[1] if bias is not None else 0, hint_pairs, hint_stride,
     )  # fmt: skip
 
 
@@ -415,7 +441,7 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None
     _launch_gemm(fn, a, (w, w), y, offsets, inverse, bias, hidden, hidden * inter)
     _launch(
         _token_sum(a.dtype), a.device,
-        _ptr(y), _ptr(inverse), _ptr(topk_weights), _ptr(offsets), _ptr(out), Int32(m), Int32(k), Int32(hidden), Int32(num_experts),
+        _ptr(y), _ptr(inverse), _ptr(topk_weights), _ptr(offsets), _ptr(out), m, k, hidden, num_experts,
     )  # fmt: skip
     return out
 

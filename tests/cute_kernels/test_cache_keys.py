@@ -114,7 +114,9 @@ def stub_compiler(tmp_path, monkeypatch) -> list:
     monkeypatch.setattr(cc, "cute", SimpleNamespace(compile=lambda fn, *args, options: SimpleNamespace(built=fn)))
     monkeypatch.setattr(cc, "_export", lambda fn, path, prefix: path.write_bytes(b""))
 
-    def load_module(path):
+    def load_module(path, *, enable_tvm_ffi):
+        # The launchers pass ints for pointers and the stream: only a TVM-FFI module takes them.
+        assert enable_tvm_ffi
         loads.append(path)
         return SimpleNamespace(**{Path(path).stem: SimpleNamespace(loaded=path)})
 
@@ -204,16 +206,16 @@ def test_source_hash_changes_with_the_dsl_version(monkeypatch):
 
 
 class _Exportable:
-    """A compiled function's stand-in for cc._export: export_to_c writes `{prefix}.o` into the folder
-    it is given (as the DSL does) with the function prefix in it, or raises `error`."""
+    """A TVM-FFI compiled function's stand-in for cc._export: export_to_c writes the object file it is
+    given (as the DSL does) with the exported function's name in it, or raises `error`."""
 
     def __init__(self, error: Exception | None = None):
         self.error = error
 
-    def export_to_c(self, folder, prefix, function_prefix):
+    def export_to_c(self, object_file_path, function_name):
         if self.error is not None:
             raise self.error
-        (Path(folder) / f"{prefix}.o").write_text(f"functions named {function_prefix}")
+        Path(object_file_path).write_text(f"functions named {function_name}")
 
 
 def test_export_creates_the_cache_dir(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ import torch
 # Before the DSL's first import: it fixes its target then (exporting object files needs it).
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 cutlass = pytest.importorskip("cutlass")
+tvm_ffi = pytest.importorskip("tvm_ffi")
 
 from cute_kernels import compile as cc  # noqa: E402
 from cute_kernels import interface  # noqa: E402
@@ -188,6 +189,8 @@ def test_disk_cache_round_trip(tmp_path, monkeypatch):
     monkeypatch.setattr(cc, "_memory", {})
     interface._gemm(epi, gather, torch.bfloat16, bias_dtype, 132, tile_m, tile_n)
     assert cc.timings[key][0] == "disk"
+    # Loaded as TVM-FFI, the calling convention the launchers use (ints for pointers and the stream).
+    assert isinstance(cc._memory[key], tvm_ffi.Function)
 
 
 def test_early_weights_only_without_gather():

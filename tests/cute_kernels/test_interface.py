@@ -40,10 +40,17 @@ def _call(op: str, args: dict, **kw):
 @pytest.mark.parametrize("cap, ok", [((9, 0), True), ((8, 0), False), ((8, 9), False), ((10, 0), False), ((12, 0), False)])
 def test_device_support_is_sm_90_only(monkeypatch, cap, ok):
     """The kernels are compiled for sm_90a (wgmma, TMA): a newer GPU (Blackwell, sm_100 or sm_120) cannot
-    run that code, so it is declined like an older one, with its compute capability in the reason."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
-    got = interface.device_support(torch.device("cuda", 0))
-    assert got == ((True, "sm_90") if ok else (False, f"the kernels need Hopper (sm_90: wgmma, TMA); this device is sm_{cap[0]}{cap[1]}"))
+    run that code, so it is declined like an older one, with its compute capability in the reason. Every
+    launch asks, so the capability is read once per device."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or cap)
+    interface._capability.cache_clear()
+    try:
+        got = [interface.device_support(torch.device("cuda", 0)) for _ in range(3)]
+    finally:
+        interface._capability.cache_clear()
+    assert asked == [0]
+    assert got == [(True, "sm_90") if ok else (False, f"the kernels need Hopper (sm_90: wgmma, TMA); this device is sm_{cap[0]}{cap[1]}")] * 3
 
 
 @pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
