@@ -16,6 +16,8 @@ import lowering
 import moe_ops
 from moe_ops.reference import relative_error, tolerance
 
+from .cases import layer_float64
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 DTYPE = torch.bfloat16
@@ -204,3 +206,25 @@ def test_compiled_layer_is_four_launches_without_host_sync(m):
     assert "routing_plan" in names[0], names
     eager = moe_ops.fused_experts(x, w13, w2, topk_weights, topk_ids)
     assert relative_error(out, eager) <= tolerance(DTYPE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_fused_layer_under_inference_mode(mode):
+    """A FusedMoE compiled with the pass and run under torch.inference_mode (how inference servers
+    call a model), without and with CUDA graphs: the kernels run (require_kernels) and every call,
+    each with new tokens, matches float64."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the CuTe DSL kernels need sm_90")
+    torch.manual_seed(0)
+    layer = moe_ops.FusedMoE(16, 4, 512, 256, dtype=DTYPE, device="cuda")
+    lowering.install(require_kernels=True)
+    compiled = torch.compile(layer, mode=mode, fullgraph=True, dynamic=False)
+    for _ in range(WARMUP_CALLS + REPLAYS):
+        x = torch.randn(8, 512, device="cuda", dtype=DTYPE)
+        with torch.inference_mode():
+            torch.compiler.cudagraph_mark_step_begin()
+            out = compiled(x).clone()
+        assert out.is_inference()
+        with torch.no_grad():
+            assert relative_error(out, layer_float64(layer, x)) <= tolerance(DTYPE)

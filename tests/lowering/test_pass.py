@@ -29,7 +29,7 @@ from moe_ops.reference import moe_float64, relative_error, tolerance
 
 from ..decoders import decode_weight
 from . import cases
-from .cases import CASES, inputs, quantized
+from .cases import CASES, inputs, layer_float64, quantized
 
 TOKENS = (1, 5, 64, 300)
 # Beyond the example models: recipes whose fused ops take a static activation scale and nvfp4
@@ -144,6 +144,20 @@ def test_compiled_equals_eager_and_is_fused(name):
         assert f"moe_ops.{op}(" not in explained.graph
         assert f"moe_ops.{op}." not in explained.code()
     assert explained.code().count("torch.ops.moe_ops.gate_up.default(") == layers
+
+
+def test_fused_under_inference_mode():
+    """A FusedMoE compiled with the pass and run under torch.inference_mode (how inference servers
+    call a model): the chain is fused as under no_grad, and the output matches float64."""
+    torch.manual_seed(0)
+    layer = moe_ops.FusedMoE(8, 2, 64, 32, dtype=torch.float32, device="cpu")
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    x = torch.randn(5, 64)
+    with lowering.recording() as fused, torch.inference_mode():
+        out = compiled(x)
+    assert [row.fused for row in fused.layers] == ["gate_up + down_reduce"]
+    with torch.no_grad():
+        assert relative_error(out, layer_float64(layer, x)) <= tolerance(torch.float32)
 
 
 def test_second_user_not_fused_but_correct():

@@ -105,3 +105,25 @@ def test_compiled_layer_in_grad_mode_matches_float64_and_backward_raises():
         assert relative_error(out.detach(), ref) <= tolerance(torch.float32)
         with pytest.raises(RuntimeError, match="no backward; the moe_ops ops are forward-only"):
             out.sum().backward()
+
+
+def test_layer_under_inference_mode_computes_as_under_no_grad():
+    """torch.inference_mode, as inference servers run a model: dispatch skips the ops' autograd kernels
+    (about 40% of a custom op's host time, bench/NOTES.md v38); eager and compiled (fullgraph,
+    dynamic), the layer computes what it computes under no_grad, and its output is an inference tensor."""
+    layer = moe_ops.FusedMoE(E, K, H, I, dtype=torch.float32, device="cpu")
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    for tokens in (3, 9):
+        x = torch.randn(tokens, H)
+        with torch.no_grad():
+            want = layer(x)
+            w13, w2 = layer.float_weights()
+            topk_weights, topk_ids = layer.routing_for(x)
+            ref = moe_float64(x, w13, w2, topk_weights, topk_ids)
+        with torch.inference_mode():
+            eager = layer(x)
+            out = compiled(x)
+        assert eager.is_inference() and out.is_inference()
+        assert torch.equal(eager, want)
+        torch.testing.assert_close(out, want)
+        assert relative_error(out, ref) <= tolerance(torch.float32)
