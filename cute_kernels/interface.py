@@ -354,13 +354,23 @@ def _hint(x: torch.Tensor, gather: torch.Tensor, expert_ids: torch.Tensor | None
 def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride, hint=None):
     num_experts = offsets.shape[0] - 1
     hint_ids, hint_pairs, hint_stride = hint if hint is not None else _hint(a, gather, None)
-    _launch(
-        fn, a.device,
-        _ptr(a), _ptr(w_parts[0]), _ptr(w_parts[1]), _ptr(out), _ptr(offsets), _ptr(gather), _ptr(hint_ids),
-        _ptr(bias if bias is not None else w_parts[0]),
+    sizes = _int32(
         a.shape[0], a.shape[1], n_part, num_experts, b_stride, out.shape[0], out.shape[1],
         bias.shape[1] if bias is not None else 0, hint_pairs, hint_stride,
     )  # fmt: skip
+    _launch(
+        fn, a.device,
+        _ptr(a), _ptr(w_parts[0]), _ptr(w_parts[1]), _ptr(out), _ptr(offsets), _ptr(gather), _ptr(hint_ids),
+        _ptr(bias if bias is not None else w_parts[0]), *sizes,
+    )  # fmt: skip
+
+
+def _int32(*sizes: int) -> tuple[int, ...]:
+    """The kernels' Int32 size arguments, checked: TVM-FFI truncates a larger int to its low 32 bits,
+    which would launch over the wrong extents. (Addresses are computed in 64 bits in the kernels.)"""
+    if max(sizes) >= 2**31:
+        raise ValueError(f"sizes {list(sizes)}: the kernels take sizes and strides (in elements) below 2**31")
+    return sizes
 
 
 def gate_up(
@@ -441,7 +451,7 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None
     _launch_gemm(fn, a, (w, w), y, offsets, inverse, bias, hidden, hidden * inter)
     _launch(
         _token_sum(a.dtype), a.device,
-        _ptr(y), _ptr(inverse), _ptr(topk_weights), _ptr(offsets), _ptr(out), m, k, hidden, num_experts,
+        _ptr(y), _ptr(inverse), _ptr(topk_weights), _ptr(offsets), _ptr(out), *_int32(m, k, hidden, num_experts),
     )  # fmt: skip
     return out
 

@@ -265,3 +265,21 @@ def test_choose_tiles_at_zero_tokens():
     for layout in ("concat", "interleaved", "none"):
         for k_dim in (2048, 4096):
             assert interface.choose_tiles(layout, 1024, 0, 8, 64, 132, k_dim=k_dim) in interface.tile_shapes(layout)
+
+
+def test_sizes_past_int32_are_refused_before_launching(monkeypatch):
+    """TVM-FFI passes the kernels' Int32 sizes truncated to their low 32 bits, which would launch over
+    the wrong extents: a size at or past 2**31 elements is refused before the launch. (Meta tensors:
+    only their shapes are read.)"""
+    launched = []
+    monkeypatch.setattr(interface, "_launch", lambda fn, device, *args: launched.append(args))
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    w = torch.empty(4, 64, 64, **meta)
+    offsets, gather = torch.empty(5, dtype=torch.int32, device="meta"), torch.empty(8, dtype=torch.int32, device="meta")
+    hint = (gather, 0, 1)
+    interface._launch_gemm(None, torch.empty(8, 64, **meta), (w, w), torch.empty(8, 64, **meta), offsets, gather, None, 64, 64 * 64, hint)
+    assert len(launched) == 1 and launched[0][8:] == (8, 64, 64, 4, 4096, 8, 64, 0, 0, 1)
+    for rows, stride in ((2**31, 64 * 64), (8, 2**31)):
+        with pytest.raises(ValueError, match=r"sizes \[.*\]: the kernels take sizes and strides \(in elements\) below 2\*\*31"):
+            interface._launch_gemm(None, torch.empty(rows, 64, **meta), (w, w), torch.empty(8, 64, **meta), offsets, gather, None, 64, stride, hint)
+    assert len(launched) == 1
