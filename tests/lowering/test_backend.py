@@ -3,6 +3,8 @@ are declined with their reason (a kernel call would raise or compute something e
 arguments a kernel call gets, and require_kernels leaving CPU calls alone."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -261,3 +263,14 @@ def test_devices_other_than_cuda_get_the_reference_without_the_kernels_package(m
     for op in ("gate_up", "down_reduce"):
         choice = backend._choose(op, getattr(backend, f"{op}_recipe")(_meta_args(op)), torch.device(device))
         assert choice == backend.Choice("reference", f"{device}: the CuTe DSL kernels run on CUDA GPUs (sm_90)")
+
+
+def test_kernels_unavailable_without_tvm_ffi_say_what_to_install():
+    """Without apache-tvm-ffi (the kernels' calling convention, cute_kernels/compile.py) cute_kernels
+    does not import, and the reason the lowering gives for the reference names the install. In a
+    fresh interpreter: the module caches of this one hold cute_kernels already."""
+    pytest.importorskip("cutlass")
+    code = "import sys; sys.modules['tvm_ffi'] = None\nfrom lowering import backend\nprint(backend._cute_interface()[1])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "cute_kernels unavailable (cute_kernels launches its kernels through TVM-FFI: pip install 'apache-tvm-ffi==" in out.stdout
