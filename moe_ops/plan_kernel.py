@@ -229,6 +229,15 @@ def compile_options(grid_dependency: bool) -> dict:
     return {"launch_pdl": grid_dependency, "enable_fp_fusion": False}
 
 
+def on_device(device: torch.device):
+    """A context with `device` current while a Triton kernel launches on it: Triton launches on the
+    current device's stream, so with another GPU current than the tensors' (a model spread over GPUs
+    in one process) the launch fails. A switch costs 2-4 µs of host time, so only when needed. CPU
+    tensors: the Triton interpreter, nothing to switch."""
+    switch = device.type == "cuda" and device.index != torch.cuda.current_device()
+    return torch.cuda.device(device) if switch else contextlib.nullcontext()
+
+
 def routing_plan_triton(
     topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, launch: PlanLaunch | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -256,11 +265,7 @@ def routing_plan_triton(
     # predecessors (a normal launch starts after them; a programmatic dependent waits for them). The
     # token sum's early reads of topk_weights rely on the same chain (token_sum.py).
     options = {"PDL": grid_dependency, **compile_options(grid_dependency)}
-    # Triton launches on the current device's stream: with another GPU current than the tensors' (a
-    # model spread over GPUs in one process) the launch fails. A switch costs 2-4 µs of host time, so
-    # only when needed. CPU tensors: the Triton interpreter.
-    switch = device.type == "cuda" and device.index != torch.cuda.current_device()
-    with torch.cuda.device(device) if switch else contextlib.nullcontext():
+    with on_device(device):
         if launch.method == "keys":
             _routing_plan_by_keys_kernel[(num_experts + 1,)](
                 ids, emap, offsets, gather, inverse, *sizes,

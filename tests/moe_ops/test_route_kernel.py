@@ -1,0 +1,137 @@
+"""The routing kernel (moe_ops/route_kernel.py) against the reference routing (routing._route): the ids
+exactly, the weights to float32 rounding (NaN where the reference has NaN).
+
+On CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, read when triton.jit decorates, so
+in a fresh subprocess); on the GPU it runs compiled, through the op's CUDA registration.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from moe_ops.routing import _route, route_op
+from tests.moe_ops.test_plan_kernel import _triton_version
+
+RTOL = 2e-6  # the scores' exp and the sums in another order than torch's
+
+# (name, M, E, top_k, logits dtype, scoring, renormalize, bias, scale, how the logits are drawn)
+CASES = [
+    ("softmax", 37, 128, 8, "float32", "softmax", True, False, 1.0, "randn"),
+    ("softmax_bf16_ties", 50, 64, 6, "bfloat16", "softmax", True, False, 1.0, "ties"),
+    ("softmax_fp16_not_renormalized", 9, 60, 4, "float16", "softmax", False, False, 1.0, "randn"),
+    ("sigmoid_bias_scaled", 33, 256, 8, "float32", "sigmoid", True, True, 2.5, "randn"),
+    ("sigmoid_not_renormalized", 20, 16, 1, "bfloat16", "sigmoid", False, False, 1.0, "ties"),
+    ("specials", 24, 16, 5, "float32", "sigmoid", False, False, 1.0, "specials"),
+    ("specials_softmax", 24, 16, 5, "float32", "softmax", True, False, 1.0, "specials"),
+    ("nan_bias", 6, 32, 4, "float32", "sigmoid", True, "nan", 1.0, "randn"),
+    ("all_experts", 5, 7, 7, "float32", "softmax", True, False, 1.0, "randn"),
+    ("one_expert", 3, 1, 1, "float32", "sigmoid", False, False, 1.0, "randn"),
+    ("many_experts", 4, 1000, 8, "bfloat16", "softmax", True, False, 1.0, "randn"),
+    ("strided", 40, 32, 4, "float32", "softmax", True, False, 1.0, "strided"),
+    ("no_tokens", 0, 32, 4, "float32", "softmax", True, False, 1.0, "randn"),
+]
+
+
+def draw_logits(m: int, e: int, dtype: torch.dtype, how: str, device="cpu") -> torch.Tensor:
+    """[M, E] router logits: normal draws; few distinct values (exact ties); NaN, +-inf, -0.0 and +0.0
+    in some rows; or a transposed (non-contiguous) view."""
+    if how == "ties":
+        return (torch.randint(-3, 4, (m, e), device=device) * 0.5).to(dtype)
+    if how == "strided":
+        return torch.randn(e, m, device=device).to(dtype).t()
+    x = torch.randn(m, e, device=device)
+    if how == "specials":
+        x[1, 3] = float("nan")
+        x[2, :] = float("-inf")
+        x[3, 2] = float("inf")
+        x[4, 5] = float("inf")
+        x[4, 6] = torch.finfo(torch.float32).max  # ties +inf, as nan_to_num makes it
+        x[5, :8] = float("-inf")
+        x[6, :] = 0.0
+        x[6, ::2] = -0.0  # ties +0.0: the lower id first
+        x[7, 0] = float("nan")
+        x[7, 1:] = float("-inf")  # NaN ranks below -inf
+    return x.to(dtype)
+
+
+def case_args(case, device="cpu"):
+    _, m, e, k, dtype, scoring, renormalize, bias, scale, how = case
+    logits = draw_logits(m, e, getattr(torch, dtype), how, device)
+    b = None
+    if bias:
+        b = torch.randn(e, device=device) * 0.1
+        if bias == "nan":
+            b[3] = float("nan")
+    return logits, k, scoring, renormalize, 0, 0, b, scale
+
+
+def assert_same_routing(got, want):
+    (w, ids), (rw, rids) = got, want
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32 and w.is_contiguous() and ids.is_contiguous()
+    assert w.shape == rw.shape and ids.shape == rids.shape
+    assert torch.equal(ids, rids), (ids.tolist(), rids.tolist())
+    torch.testing.assert_close(w, rw, rtol=RTOL, atol=0, equal_nan=True)
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from moe_ops.routing import _route
+    from moe_ops.route_kernel import route_triton
+    from tests.moe_ops.test_route_kernel import CASES, assert_same_routing, case_args
+    torch.manual_seed(int(sys.argv[1]))
+    for case in CASES:
+        logits, k, scoring, renormalize, _, _, bias, scale = args = case_args(case)
+        got = route_triton(logits, k, scoring, renormalize, bias, scale)
+        assert_same_routing(got, _route(*args))
+    print("same", len(CASES))
+    """
+)
+
+
+@pytest.mark.skipif(_triton_version() < (3, 8), reason="Triton's interpreter before 3.8 fails on NumPy 2.4 (test_plan_kernel.py)")
+def test_route_kernel_matches_reference_in_interpreter(rng):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(rng.initial_seed())], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("same"), proc.stdout
+
+
+def test_specials_reach_every_edge():
+    """The specials draw holds what the kernel's key order must get right: a reference check that a
+    mutation of _order_key (NaN as -inf, +inf above the largest float) would fail."""
+    logits, k, *rest = case_args(CASES[5])
+    _, ids = _route(logits, k, *rest)
+    assert ids[7].tolist() == [1, 2, 3, 4, 5]  # NaN ranks below -inf: not the lowest id's tie
+    assert ids[4, 0] == 5 and ids[4, 1] == 6  # +inf ties the largest float: the lower id first
+    assert ids[6].tolist() == [0, 1, 2, 3, 4]  # -0.0 ties +0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_route_op_on_cuda_matches_reference(case, rng):
+    """The op's CUDA registration (the kernel, compiled) against the reference ops on the same GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    args = case_args(case, "cuda")
+    assert_same_routing(route_op(*args), _route(*args))
+    if case[-1] != "specials" and case[7] != "nan":  # opcheck compares runs without equal_nan
+        torch.library.opcheck(route_op, args)
+
+
+@pytest.mark.gpu
+def test_grouped_routing_on_cuda_runs_the_reference():
+    """Grouped top-k is not the kernel's: on CUDA the op runs the reference ops, bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    logits = torch.randn(16, 64, device="cuda")
+    args = (logits, 6, "sigmoid", True, 8, 4, torch.randn(64, device="cuda") * 0.1, 2.5)
+    got, want = route_op(*args), _route(*args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
