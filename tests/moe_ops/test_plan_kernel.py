@@ -5,9 +5,6 @@ in a fresh subprocess); on the GPU it runs compiled, through the op's CUDA regis
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -15,6 +12,7 @@ import torch
 
 from moe_ops.plan import routing_plan
 from tests.ptx import split_at_wait, touches_global
+from tests.triton_interpreter import needs_interpreter, run_interpreted
 
 # (M, k, E, expert_map, launch): each kernel with one program or chunk, with many programs and a partial
 # last block, with scan steps holding several blocks (a block in the middle of one), with several
@@ -132,29 +130,11 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def _triton_version() -> tuple[int, int]:
-    import triton
-
-    return tuple(int(part) for part in triton.__version__.split(".")[:2])
-
-
-# Triton's interpreter before 3.8 (the README) turns a loop bound into an int through a one-element
-# numpy array, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python
-# scalars"; Triton 3.6 with NumPy 2.4.6 here, and every case on the GPU host's Triton 3.6, where the
-# GPU tests run the compiled kernel instead). The test extra asks for 3.8.
-@pytest.mark.skipif(_triton_version() < (3, 8), reason="Triton's interpreter before 3.8 fails on NumPy 2.4 (see the comment)")
+@needs_interpreter
 @pytest.mark.parametrize("m,k,e,kind,launch", INTERPRETER_CASES)
 def test_triton_plan_matches_reference_in_interpreter(m, k, e, kind, launch, rng):
-    seed = rng.initial_seed()
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(seed), str(m), str(k), str(e), str(kind), str(launch)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.startswith("same"), proc.stdout
+    out = run_interpreted(_SCRIPT, rng.initial_seed(), m, k, e, kind, launch)
+    assert out.startswith("same"), out
 
 
 @pytest.mark.gpu

@@ -6,16 +6,13 @@ in a fresh subprocess); on the GPU it runs compiled, through the op's CUDA regis
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 from moe_ops.routing import _route, route_op
-from tests.moe_ops.test_plan_kernel import _triton_version
+from tests.triton_interpreter import needs_interpreter, run_interpreted
 
 RTOL = 2e-6  # the scores' exp and the sums in another order than torch's
 
@@ -94,14 +91,10 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(_triton_version() < (3, 8), reason="Triton's interpreter before 3.8 fails on NumPy 2.4 (test_plan_kernel.py)")
+@needs_interpreter
 def test_route_kernel_matches_reference_in_interpreter(rng):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(rng.initial_seed())], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.startswith("same"), proc.stdout
+    out = run_interpreted(_SCRIPT, rng.initial_seed(), timeout=600)
+    assert out.startswith("same"), out
 
 
 def test_specials_reach_every_edge():
