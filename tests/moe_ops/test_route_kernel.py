@@ -75,17 +75,35 @@ def assert_same_routing(got, want):
     torch.testing.assert_close(w, rw, rtol=RTOL, atol=0, equal_nan=True)
 
 
+def assert_weights_match_float64(args, got) -> None:
+    """The kernel's weights against the routing formula in float64 at the kernel's own ids (the rows
+    whose weights are defined: NaN rows are compared with the reference in assert_same_routing)."""
+    logits, k, scoring, renormalize, _, _, bias, scale = args
+    weights, ids = got
+    x = logits.double()
+    scores = torch.softmax(x, dim=-1) if scoring == "softmax" else torch.sigmoid(x)
+    want = scores.gather(1, ids.long())
+    if renormalize:
+        want = want / want.sum(dim=-1, keepdim=True)
+    want = want * scale
+    rows = weights.isfinite().all(dim=-1) & want.isfinite().all(dim=-1)
+    if logits.shape[0] and not (bias is not None and bias.isnan().any()):
+        assert rows.any(), "no defined row to compare"
+    torch.testing.assert_close(weights[rows].double(), want[rows], rtol=1e-5, atol=1e-12)
+
+
 _SCRIPT = textwrap.dedent(
     """
     import sys, torch
     from moe_ops.routing import _route
     from moe_ops.route_kernel import route_triton
-    from tests.moe_ops.test_route_kernel import CASES, assert_same_routing, case_args
+    from tests.moe_ops.test_route_kernel import CASES, assert_same_routing, assert_weights_match_float64, case_args
     torch.manual_seed(int(sys.argv[1]))
     for case in CASES:
         logits, k, scoring, renormalize, _, _, bias, scale = args = case_args(case)
         got = route_triton(logits, k, scoring, renormalize, bias, scale)
         assert_same_routing(got, _route(*args))
+        assert_weights_match_float64(args, got)
     print("same", len(CASES))
     """
 )
