@@ -1,17 +1,22 @@
-"""Routing in one Triton kernel: the CUDA implementation of moe_ops::route for the methods without
-expert groups (softmax or sigmoid scores, with or without a correction bias, renormalized or not,
-scaled or not). Grouped top-k (num_expert_group > 0) runs routing.py's reference ops on CUDA too.
+"""Routing in one Triton kernel: the CUDA implementation of moe_ops::route, every method (softmax or
+sigmoid scores, with or without a correction bias, renormalized or not, scaled or not, grouped top-k or
+not) for E up to MAX_EXPERTS.
 
-Why: the reference is a dozen small tensor ops; inside a compiled graph the op runs them one by one.
-At M = 1 on an H100 the routing (with the router's linear) took 30-31 µs of a FusedMoE's 60 µs in a
-CUDA graph, 9 µs with this kernel; without a graph the reference function costs ~136 µs of host time
-(bench/NOTES.md v39).
+Why: the reference is a dozen small tensor ops (two dozen with expert groups); inside a compiled graph
+the op runs them one by one. At M = 1 on an H100 the routing (with the router's linear) took 30-31 µs
+of a FusedMoE's 60 µs in a CUDA graph, 9 µs with this kernel; without a graph the reference function
+costs ~136 µs of host time (bench/NOTES.md v39).
 
 Same results as the reference: the ids exactly (the k largest selection scores, best first, an exact
 tie to the lower expert id, NaN ranked last), the weights to float32 rounding (the scores' exp and
-the sums are computed in another order). Each program takes BLOCK_M tokens and all E experts: the top k
+the sums are computed in another order). Without a correction bias the logits themselves rank, so
+the ids never depend on rounding; with one they rank by computed scores, and two candidates (experts,
+or groups by their two best scores) whose scores tie in the reals but not in float32 are ordered by
+rounding, here as between torch's own CPU and GPU kernels. Each program takes BLOCK_M tokens and all E experts: the top k
 come from k passes of an argmax over integer keys that order like the scores (ties to the left), each
-pass removing its pick.
+pass removing its pick. With expert groups the experts sit in a [G_P2, S_P2] grid of (group, place)
+positions, the groups' scores come from a reduction over the places, and topk_group passes of the same
+argmax over the groups' keys choose the groups whose experts stay in the race.
 """
 from __future__ import annotations
 
@@ -21,9 +26,18 @@ import triton.language as tl
 
 from .plan_kernel import on_device
 
-# A row of experts lives in registers: E up to this many (next power of two), else the reference.
+# A row of experts lives in registers: up to this many positions (E, or with expert groups the groups
+# times the group size, each rounded up to a power of two), else the reference.
 MAX_EXPERTS = 1024
 _TILE = 4096  # BLOCK_M x BLOCK_E elements per program
+
+
+@triton.jit
+def _finite(x):
+    """x as torch.nan_to_num(x, nan=-inf) leaves it: +-inf become the largest finite values and NaN -inf."""
+    x = tl.where(x == float("inf"), 3.4028234663852886e38, x)
+    x = tl.where(x == float("-inf"), -3.4028234663852886e38, x)
+    return tl.where(x != x, float("-inf"), x)
 
 
 @triton.jit
@@ -32,24 +46,57 @@ def _order_key(x):
     nan=-inf) does, +-inf become the largest finite values and NaN -inf, below them; -0.0 ties +0.0.
     For a non-negative float the bits order as the values; for a negative one, flipping all but the sign
     bit reverses them."""
-    x = tl.where(x == float("inf"), 3.4028234663852886e38, x)
-    x = tl.where(x == float("-inf"), -3.4028234663852886e38, x)
-    x = tl.where(x != x, float("-inf"), x) + 0.0
-    bits = x.to(tl.int32, bitcast=True)
+    bits = (_finite(x) + 0.0).to(tl.int32, bitcast=True)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-# Sizes vary with M: specialising on their divisibility would compile a new kernel for some token counts.
-@triton.jit(do_not_specialize=["m", "num_experts", "stride_m", "stride_e", "scale"])
-def _route_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, m, num_experts, stride_m, stride_e, scale,
-    TOP_K: tl.constexpr, K_P2: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
-    RENORMALIZE: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+@triton.jit
+def _kept_groups(
+    selection, ok, num_groups, BLOCK_M: tl.constexpr, G_P2: tl.constexpr, S_P2: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, TOP2: tl.constexpr,
 ):  # fmt: skip
+    """selection [BLOCK_M, G_P2 * S_P2] (position g * S_P2 + s holds group g's expert s) -> bool, True
+    at the experts of each row's TOPK_GROUP best groups, as routing._group_mask: a group scores the sum
+    of its two best selection scores (TOP2) or its best one, after nan_to_num; ties to the lower group."""
+    grouped = tl.reshape(tl.where(ok, _finite(selection), float("-inf")), [BLOCK_M, G_P2, S_P2])
+    best = tl.max(grouped, axis=2)
+    if TOP2:
+        # The second best counts a repeat of the best (topk's values keep duplicates).
+        is_best = grouped == best[:, :, None]
+        repeats = tl.sum(is_best.to(tl.int32), axis=2)
+        second = tl.max(tl.where(is_best, float("-inf"), grouped), axis=2)
+        score = best + tl.where(repeats > 1, best, second)
+    else:
+        score = best
+    groups = tl.arange(0, G_P2)
+    lowest = -2147483648
+    keys = tl.where(groups[None, :] < num_groups, _order_key(score), lowest)
+    kept = tl.zeros([BLOCK_M, G_P2], dtype=tl.int1)
+    for _ in tl.static_range(TOPK_GROUP):
+        pick = tl.argmax(keys, axis=1, tie_break_left=True).to(tl.int32)
+        chosen = groups[None, :] == pick[:, None]
+        kept = kept | chosen
+        keys = tl.where(chosen, lowest, keys)
+    kept = tl.broadcast_to(kept[:, :, None], [BLOCK_M, G_P2, S_P2])
+    return tl.reshape(kept, [BLOCK_M, G_P2 * S_P2])
+
+
+# Sizes vary with M: specialising on their divisibility would compile a new kernel for some token counts.
+@triton.jit(do_not_specialize=["m", "num_groups", "group_size", "stride_m", "stride_e", "scale"])
+def _route_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, m, num_groups, group_size, stride_m, stride_e, scale,
+    TOP_K: tl.constexpr, K_P2: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+    RENORMALIZE: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr, G_P2: tl.constexpr,
+    S_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP2: tl.constexpr,
+):  # fmt: skip
+    # Without expert groups: one group of all E experts (G_P2 = 1, S_P2 = BLOCK_E, TOPK_GROUP = 0).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_E)
+    positions = tl.arange(0, G_P2 * S_P2)
+    group = positions // S_P2
+    place = positions % S_P2
+    cols = group * group_size + place  # the expert id at each position
     row_ok = rows < m
-    col_ok = cols < num_experts
+    col_ok = (group < num_groups) & (place < group_size)
     ok = row_ok[:, None] & col_ok[None, :]
     x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_m + cols[None, :] * stride_e, mask=ok, other=0.0)
     x = x.to(tl.float32)
@@ -68,17 +115,22 @@ def _route_kernel(
     else:
         # Both scorings increase with the logit: the logits rank as the exact scores do (routing.py).
         selection = x
+    if TOPK_GROUP > 0:
+        kept = _kept_groups(selection, ok, num_groups, BLOCK_M, G_P2, S_P2, TOPK_GROUP, TOP2)
+        selection = tl.where(kept, selection, float("-inf"))
     lowest = -2147483648
+    # Valid positions order as their expert ids, so ties to the lower position are ties to the lower id.
     keys = tl.where(ok, _order_key(selection), lowest)
     slots = tl.arange(0, K_P2)
     weights = tl.zeros([BLOCK_M, K_P2], dtype=tl.float32)
     ids = tl.zeros([BLOCK_M, K_P2], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         pick = tl.argmax(keys, axis=1, tie_break_left=True).to(tl.int32)
-        chosen = cols[None, :] == pick[:, None]
+        chosen = positions[None, :] == pick[:, None]
         w = tl.sum(tl.where(chosen, scores, 0.0), axis=1)
         weights = tl.where(slots[None, :] == j, w[:, None], weights)
-        ids = tl.where(slots[None, :] == j, pick[:, None], ids)
+        expert = (pick // S_P2) * group_size + pick % S_P2
+        ids = tl.where(slots[None, :] == j, expert[:, None], ids)
         keys = tl.where(chosen, lowest, keys)
     used = slots[None, :] < TOP_K
     weights = tl.where(undefined[:, None], float("nan"), weights)
@@ -92,9 +144,19 @@ def _route_kernel(
     tl.store(ids_ptr + out, ids, mask=keep)
 
 
+def _grid(num_experts: int, num_expert_group: int) -> tuple[int, int]:
+    """(G_P2, S_P2): the power-of-two grid of (group, place) positions that holds E experts in
+    num_expert_group groups (no groups: one group of E)."""
+    groups = max(num_expert_group, 1)
+    return triton.next_power_of_2(groups), triton.next_power_of_2(num_experts // groups)
+
+
 def serves(num_experts: int, num_expert_group: int) -> bool:
-    """Whether route_triton serves a call: no expert groups, E up to MAX_EXPERTS."""
-    return num_expert_group == 0 and 0 < num_experts <= MAX_EXPERTS
+    """Whether route_triton serves a call: every method, with up to MAX_EXPERTS positions (_grid)."""
+    if num_experts <= 0:
+        return False
+    g_p2, s_p2 = _grid(num_experts, num_expert_group)
+    return g_p2 * s_p2 <= MAX_EXPERTS
 
 
 def route_triton(
@@ -102,26 +164,34 @@ def route_triton(
     top_k: int,
     scoring: str,
     renormalize: bool,
+    num_expert_group: int,
+    topk_group: int,
     e_score_correction_bias: torch.Tensor | None,
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [M, E] -> (topk_weights float32 [M, top_k], topk_ids int32 [M, top_k]), contiguous;
-    the arguments checked by the caller (routing.check_route_args), no expert groups (serves)."""
+    the op's arguments (num_expert_group == 0: no groups), checked by the caller
+    (routing.check_route_args), for a call the kernel serves (serves)."""
     m, num_experts = router_logits.shape
     device = router_logits.device
     weights = torch.empty(m, top_k, dtype=torch.float32, device=device)
     ids = torch.empty(m, top_k, dtype=torch.int32, device=device)
     if m == 0:
         return weights, ids
-    block_e = triton.next_power_of_2(num_experts)
-    block_m = max(1, min(triton.next_power_of_2(m), _TILE // block_e))
+    g_p2, s_p2 = _grid(num_experts, num_expert_group)
+    num_groups = max(num_expert_group, 1)
+    group_size = num_experts // num_groups
+    block_m = max(1, min(triton.next_power_of_2(m), _TILE // (g_p2 * s_p2)))
     bias = e_score_correction_bias.contiguous() if e_score_correction_bias is not None else router_logits
     with on_device(device):
         _route_kernel[(triton.cdiv(m, block_m),)](
-            router_logits, bias, weights, ids, m, num_experts, router_logits.stride(0), router_logits.stride(1),
-            float(routed_scaling_factor),
+            router_logits, bias, weights, ids, m, num_groups, group_size,
+            router_logits.stride(0), router_logits.stride(1), float(routed_scaling_factor),
             TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), SOFTMAX=scoring == "softmax",
             HAS_BIAS=e_score_correction_bias is not None, RENORMALIZE=bool(renormalize),
-            SCALED=float(routed_scaling_factor) != 1.0, BLOCK_M=block_m, BLOCK_E=block_e, num_warps=4,
+            SCALED=float(routed_scaling_factor) != 1.0, BLOCK_M=block_m, G_P2=g_p2, S_P2=s_p2,
+            TOPK_GROUP=topk_group if num_expert_group else 0,
+            # routing.GROUP_SCORE: the two best with a correction bias (one if a group holds one expert).
+            TOP2=e_score_correction_bias is not None and group_size > 1, num_warps=4,
         )  # fmt: skip
     return weights, ids

@@ -25,8 +25,9 @@ routing); sigmoid scores take their limits 1 and 0 at +-inf,
 and renormalizing k zero sigmoid scores (logits of -inf, or below about -104 in float32) gives NaN, as in
 vLLM's grouped_topk.
 
-On CUDA the methods without expert groups run as one Triton kernel (route_kernel.py; the same ids, the
-weights to float32 rounding); grouped top-k runs the reference ops below on every device.
+On CUDA every method runs as one Triton kernel (route_kernel.py; the same ids, the weights to float32
+rounding) for E up to 1024 (with expert groups: groups times group size, each rounded up to a power of
+two); larger E runs the reference ops below, as every other device does.
 """
 from __future__ import annotations
 
@@ -169,13 +170,13 @@ route_op = torch.library.custom_op("moe_ops::route", _route, mutates_args=())
 
 @route_op.register_kernel("cuda")
 def _route_cuda(router_logits, top_k, scoring, renormalize, num_expert_group, topk_group, bias, scale):
-    """One Triton kernel (route_kernel.py) for the methods without expert groups; grouped top-k runs the
-    reference ops above. The same ids and, to float32 rounding, the same weights either way."""
+    """One Triton kernel (route_kernel.py) where it serves the sizes, else the reference ops above. The
+    same ids and, to float32 rounding, the same weights either way."""
     check_route_args(router_logits, top_k, scoring, renormalize, num_expert_group, topk_group, bias, scale)
     from .route_kernel import route_triton, serves
 
     if serves(router_logits.shape[1], num_expert_group):
-        return route_triton(router_logits, top_k, scoring, renormalize, bias, scale)
+        return route_triton(router_logits, top_k, scoring, renormalize, num_expert_group, topk_group, bias, scale)
     return _route(router_logits, top_k, scoring, renormalize, num_expert_group, topk_group, bias, scale)
 
 

@@ -16,29 +16,42 @@ from tests.triton_interpreter import needs_interpreter, run_interpreted
 
 RTOL = 2e-6  # the scores' exp and the sums in another order than torch's
 
-# (name, M, E, top_k, logits dtype, scoring, renormalize, bias, scale, how the logits are drawn)
+# (name, M, E, top_k, logits dtype, scoring, renormalize, bias, scale, how the logits are drawn,
+#  (num_expert_group, topk_group): (0, 0) for no groups)
 CASES = [
-    ("softmax", 37, 128, 8, "float32", "softmax", True, False, 1.0, "randn"),
-    ("softmax_bf16_ties", 50, 64, 6, "bfloat16", "softmax", True, False, 1.0, "ties"),
-    ("softmax_fp16_not_renormalized", 9, 60, 4, "float16", "softmax", False, False, 1.0, "randn"),
-    ("sigmoid_bias_scaled", 33, 256, 8, "float32", "sigmoid", True, True, 2.5, "randn"),
-    ("sigmoid_not_renormalized", 20, 16, 1, "bfloat16", "sigmoid", False, False, 1.0, "ties"),
-    ("specials", 24, 16, 5, "float32", "sigmoid", False, False, 1.0, "specials"),
-    ("specials_softmax", 24, 16, 5, "float32", "softmax", True, False, 1.0, "specials"),
-    ("nan_bias", 6, 32, 4, "float32", "sigmoid", True, "nan", 1.0, "randn"),
-    ("all_experts", 5, 7, 7, "float32", "softmax", True, False, 1.0, "randn"),
-    ("one_expert", 3, 1, 1, "float32", "sigmoid", False, False, 1.0, "randn"),
-    ("many_experts", 4, 1000, 8, "bfloat16", "softmax", True, False, 1.0, "randn"),
-    ("strided", 40, 32, 4, "float32", "softmax", True, False, 1.0, "strided"),
-    ("no_tokens", 0, 32, 4, "float32", "softmax", True, False, 1.0, "randn"),
+    ("softmax", 37, 128, 8, "float32", "softmax", True, False, 1.0, "randn", (0, 0)),
+    ("softmax_bf16_ties", 50, 64, 6, "bfloat16", "softmax", True, False, 1.0, "ties", (0, 0)),
+    ("softmax_fp16_not_renormalized", 9, 60, 4, "float16", "softmax", False, False, 1.0, "randn", (0, 0)),
+    ("sigmoid_bias_scaled", 33, 256, 8, "float32", "sigmoid", True, True, 2.5, "randn", (0, 0)),
+    ("sigmoid_not_renormalized", 20, 16, 1, "bfloat16", "sigmoid", False, False, 1.0, "ties", (0, 0)),
+    ("specials", 24, 16, 5, "float32", "sigmoid", False, False, 1.0, "specials", (0, 0)),
+    ("specials_softmax", 24, 16, 5, "float32", "softmax", True, False, 1.0, "specials", (0, 0)),
+    ("nan_bias", 6, 32, 4, "float32", "sigmoid", True, "nan", 1.0, "randn", (0, 0)),
+    ("all_experts", 5, 7, 7, "float32", "softmax", True, False, 1.0, "randn", (0, 0)),
+    ("one_expert", 3, 1, 1, "float32", "sigmoid", False, False, 1.0, "randn", (0, 0)),
+    ("many_experts", 4, 1000, 8, "bfloat16", "softmax", True, False, 1.0, "randn", (0, 0)),
+    ("strided", 40, 32, 4, "float32", "softmax", True, False, 1.0, "strided", (0, 0)),
+    ("no_tokens", 0, 32, 4, "float32", "softmax", True, False, 1.0, "randn", (0, 0)),
+    # Grouped top-k: DeepSeek-V3's (sum of each group's two best biased scores) and V2's (best logit).
+    ("v3_grouped", 33, 256, 8, "float32", "sigmoid", True, True, 2.5, "randn", (8, 4)),
+    ("v3_grouped_bf16_ties", 64, 64, 6, "bfloat16", "sigmoid", True, "per_group", 1.0, "ties_positive", (16, 2)),
+    ("v2_grouped_uneven_groups", 256, 160, 6, "bfloat16", "softmax", False, False, 16.0, "ties", (8, 3)),
+    ("v2_grouped_three_groups", 17, 24, 4, "float32", "softmax", True, False, 1.0, "randn", (3, 2)),
+    ("grouped_groups_of_one", 12, 8, 3, "float32", "sigmoid", True, True, 1.0, "randn", (8, 3)),
+    ("grouped_one_group", 9, 32, 4, "float32", "sigmoid", True, True, 1.0, "randn", (1, 1)),
+    ("grouped_specials", 24, 16, 5, "float32", "sigmoid", False, True, 1.0, "specials", (4, 2)),
+    ("grouped_specials_softmax", 24, 16, 5, "float32", "softmax", True, True, 1.0, "specials", (4, 2)),
+    ("grouped_specials_no_bias", 24, 16, 5, "float32", "softmax", True, False, 1.0, "specials", (4, 2)),
+    ("grouped_strided", 30, 64, 8, "float32", "sigmoid", True, True, 1.0, "strided", (8, 4)),
 ]
 
 
 def draw_logits(m: int, e: int, dtype: torch.dtype, how: str, device="cpu") -> torch.Tensor:
-    """[M, E] router logits: normal draws; few distinct values (exact ties); NaN, +-inf, -0.0 and +0.0
-    in some rows; or a transposed (non-contiguous) view."""
-    if how == "ties":
-        return (torch.randint(-3, 4, (m, e), device=device) * 0.5).to(dtype)
+    """[M, E] router logits: normal draws; few distinct values (exact ties), or few non-negative ones;
+    NaN, +-inf, -0.0 and +0.0 in some rows; or a transposed (non-contiguous) view."""
+    if how in ("ties", "ties_positive"):
+        low = 0 if how == "ties_positive" else -3
+        return (torch.randint(low, 4, (m, e), device=device) * 0.5).to(dtype)
     if how == "strided":
         return torch.randn(e, m, device=device).to(dtype).t()
     x = torch.randn(m, e, device=device)
@@ -53,18 +66,26 @@ def draw_logits(m: int, e: int, dtype: torch.dtype, how: str, device="cpu") -> t
         x[6, ::2] = -0.0  # ties +0.0: the lower id first
         x[7, 0] = float("nan")
         x[7, 1:] = float("-inf")  # NaN ranks below -inf
+        x[8, 0] = float("nan")
+        x[8, 1:3] = 5.0  # the best group (of 4) holds a NaN: it still scores its other experts
     return x.to(dtype)
 
 
 def case_args(case, device="cpu"):
-    _, m, e, k, dtype, scoring, renormalize, bias, scale, how = case
+    _, m, e, k, dtype, scoring, renormalize, bias, scale, how, (groups, topk_group) = case
     logits = draw_logits(m, e, getattr(torch, dtype), how, device)
     b = None
-    if bias:
+    if bias == "per_group":
+        # One value per group, 0 or 0.25: with logits of 0, 0.5, 1 or 1.5 the groups' scores tie exactly
+        # (a group's two best experts) or differ by far more than rounding. A bias that varies inside a
+        # group ties in the reals only: sigmoid(a) + b1 + sigmoid(c) + b2 against the same with b1 and b2
+        # swapped, where float32 rounding (torch's own differs between CPU and GPU) picks the group.
+        b = (torch.randint(0, 2, (groups,), device=device) * 0.25).repeat_interleave(e // groups)
+    elif bias:
         b = torch.randn(e, device=device) * 0.1
         if bias == "nan":
             b[3] = float("nan")
-    return logits, k, scoring, renormalize, 0, 0, b, scale
+    return logits, k, scoring, renormalize, groups, topk_group, b, scale
 
 
 def assert_same_routing(got, want):
@@ -100,8 +121,8 @@ _SCRIPT = textwrap.dedent(
     from tests.moe_ops.test_route_kernel import CASES, assert_same_routing, assert_weights_match_float64, case_args
     torch.manual_seed(int(sys.argv[1]))
     for case in CASES:
-        logits, k, scoring, renormalize, _, _, bias, scale = args = case_args(case)
-        got = route_triton(logits, k, scoring, renormalize, bias, scale)
+        args = case_args(case)
+        got = route_triton(*args)
         assert_same_routing(got, _route(*args))
         assert_weights_match_float64(args, got)
     print("same", len(CASES))
@@ -125,6 +146,37 @@ def test_specials_reach_every_edge():
     assert ids[6].tolist() == [0, 1, 2, 3, 4]  # -0.0 ties +0.0
 
 
+def test_serves_up_to_1024_positions():
+    """The kernel takes E up to 1024 positions: groups and group size each rounded up to a power of two."""
+    from moe_ops.route_kernel import serves
+
+    assert serves(1000, 0) and serves(1024, 0) and not serves(1025, 0)
+    assert serves(256, 8) and serves(160, 8)  # DeepSeek-V3, V2: 8 x 32 positions
+    assert serves(768, 3) and not serves(999, 3)  # 4 x 256, 4 x 512
+    assert not serves(2048, 8) and not serves(0, 0)
+
+
+def _case(name):
+    return next(c for c in CASES if c[0] == name)
+
+
+def test_grouped_cases_reach_their_edges():
+    """The grouped draws hold what the kernel's group stage must get right, checked on the reference:
+    the kept groups change the picks, group scores tie at the topk_group-th place (the lower group
+    wins), and a group's two best scores are often equal (the sum counts both)."""
+    for name in ("v3_grouped", "v2_grouped_uneven_groups", "v3_grouped_bf16_ties"):
+        logits, k, scoring, renormalize, groups, topk_group, bias, scale = case_args(_case(name))
+        _, grouped = _route(logits, k, scoring, renormalize, groups, topk_group, bias, scale)
+        _, flat = _route(logits, k, scoring, renormalize, 0, 0, bias, scale)
+        assert (grouped != flat).any(dim=1).any(), f"{name}: the groups never change the picks"
+    logits, k, scoring, renormalize, groups, topk_group, bias, scale = case_args(_case("v3_grouped_bf16_ties"))
+    selection = (torch.sigmoid(logits.float()) + bias).view(len(logits), groups, -1)
+    best2 = selection.topk(2, dim=-1).values
+    assert (best2[..., 0] == best2[..., 1]).any(), "no group's two best scores are equal"
+    ranked = best2.sum(dim=-1).sort(dim=1, descending=True).values
+    assert (ranked[:, topk_group - 1] == ranked[:, topk_group]).any(), "no group scores tie at the last kept place"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_route_op_on_cuda_matches_reference(case, rng):
@@ -133,16 +185,16 @@ def test_route_op_on_cuda_matches_reference(case, rng):
         pytest.skip("needs a CUDA GPU")
     args = case_args(case, "cuda")
     assert_same_routing(route_op(*args), _route(*args))
-    if case[-1] != "specials" and case[7] != "nan":  # opcheck compares runs without equal_nan
+    if case[9] != "specials" and case[7] != "nan":  # opcheck compares runs without equal_nan
         torch.library.opcheck(route_op, args)
 
 
 @pytest.mark.gpu
-def test_grouped_routing_on_cuda_runs_the_reference():
-    """Grouped top-k is not the kernel's: on CUDA the op runs the reference ops, bit for bit."""
+def test_route_op_on_cuda_past_the_kernel_runs_the_reference():
+    """Sizes past the kernel's positions (serves) run the reference ops on CUDA, bit for bit."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    logits = torch.randn(16, 64, device="cuda")
-    args = (logits, 6, "sigmoid", True, 8, 4, torch.randn(64, device="cuda") * 0.1, 2.5)
+    logits = torch.randn(16, 2048, device="cuda")
+    args = (logits, 8, "sigmoid", True, 8, 4, torch.randn(2048, device="cuda") * 0.1, 2.5)
     got, want = route_op(*args), _route(*args)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
