@@ -223,9 +223,10 @@ def uses_grid_dependency(device: torch.device) -> bool:
 
 
 def compile_options(grid_dependency: bool) -> dict:
-    """Triton's compile options for either plan kernel: launch_pdl when it launches as a programmatic
-    dependent. The kernels do integer work only, so FP fusion changes nothing; saying so keeps Triton
-    3.9 from warning that its default flips in 3.10."""
+    """Triton's compile options for either plan kernel and the route kernel (route_kernel.py):
+    launch_pdl when it launches as a programmatic dependent. FP fusion off: the plan does integer work
+    only, and the route kernel's float operations then round one by one, as torch's separate ops do;
+    saying so also keeps Triton 3.9 from warning that its default flips in 3.10."""
     return {"launch_pdl": grid_dependency, "enable_fp_fusion": False}
 
 
@@ -259,7 +260,7 @@ def routing_plan_triton(
     grid_dependency = uses_grid_dependency(device)
     early = num_pairs <= EARLY_MAX_PAIRS and grid_dependency
     # The plan itself launches as a programmatic dependent (PDL) of the kernel before it on the stream
-    # (a model's router, or the previous MoE layer's token sum, which lets it launch early): its launch
+    # (the route op's kernel or the previous MoE layer's token sum, which both let it launch early, or a model's own routing): its launch
     # overlaps that kernel's end, and it waits for it before reading (bench/NOTES.md, v22). That wait
     # covers all older work on the stream, as the kernel before it completes only after its own
     # predecessors (a normal launch starts after them; a programmatic dependent waits for them). The

@@ -24,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan_kernel import on_device
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from .plan_kernel import compile_options, on_device, uses_grid_dependency
 
 # A row of experts lives in registers: up to this many positions (E, or with expert groups the groups
 # times the group size, each rounded up to a power of two), else the reference.
@@ -87,8 +89,14 @@ def _route_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, m, num_groups, group_size, stride_m, stride_e, scale,
     TOP_K: tl.constexpr, K_P2: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr, G_P2: tl.constexpr,
-    S_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP2: tl.constexpr,
+    S_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:
+        # The routing plan after this kernel is a programmatic dependent that waits for this kernel's
+        # completion (griddepcontrol.wait) before reading: letting it launch now hides its launch under
+        # this kernel and promises nothing. This kernel is likewise a dependent of the router's matmul.
+        gdc_launch_dependents()
+        gdc_wait()
     # Without expert groups: one group of all E experts (G_P2 = 1, S_P2 = BLOCK_E, TOPK_GROUP = 0).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     positions = tl.arange(0, G_P2 * S_P2)
@@ -183,6 +191,9 @@ def route_triton(
     group_size = num_experts // num_groups
     block_m = max(1, min(triton.next_power_of_2(m), _TILE // (g_p2 * s_p2)))
     bias = e_score_correction_bias.contiguous() if e_score_correction_bias is not None else router_logits
+    # A programmatic dependent launch on sm_90+, as the plan's (plan_kernel.py): the wait above covers
+    # all older work on the stream, since the kernel before this one completes after its predecessors.
+    grid_dependency = uses_grid_dependency(device)
     with on_device(device):
         _route_kernel[(triton.cdiv(m, block_m),)](
             router_logits, bias, weights, ids, m, num_groups, group_size,
@@ -192,6 +203,7 @@ def route_triton(
             SCALED=float(routed_scaling_factor) != 1.0, BLOCK_M=block_m, G_P2=g_p2, S_P2=s_p2,
             TOPK_GROUP=topk_group if num_expert_group else 0,
             # routing.GROUP_SCORE: the two best with a correction bias (one if a group holds one expert).
-            TOP2=e_score_correction_bias is not None and group_size > 1, num_warps=4,
+            TOP2=e_score_correction_bias is not None and group_size > 1, PDL=grid_dependency, num_warps=4,
+            **compile_options(grid_dependency),
         )  # fmt: skip
     return weights, ids
