@@ -623,7 +623,8 @@ class MoeGemmSm90:
         n_tiles = (n_out + self.out_n - 1) // self.out_n
         grid = cute.arch.grid_dim()[0]
         # GEMM1's weight hint (the module docstring) reads the expert ids before the wait: the kernel
-        # before the plan wrote them, and only prefetches depend on them.
+        # before the plan writes them and may still be running (a kernel that lets the plan launch at
+        # its start), so they may be stale; only prefetches depend on them.
         if const_expr(self.gather):
             if warp_idx == 0:
                 if mHint.shape[0] > 0:
