@@ -12,6 +12,7 @@ import lowering
 import moe_ops
 from lowering.fused_ops import down_reduce, gate_up
 from moe_ops.plan import routing_plan
+from moe_ops.routing import _route, route_op
 from moe_ops.reference import moe_float64, relative_error, tolerance
 
 from ..decoders import decode_weight
@@ -42,6 +43,20 @@ def test_plan_on_the_other_gpu(m):
     assert all(g.device == OTHER for g in got)
     for name, g, w in zip(("expert_offsets", "gather_idx", "inverse"), got, want):
         assert torch.equal(g.cpu(), w), f"{name} differs from the CPU plan"
+
+
+@pytest.mark.parametrize("groups", (0, 8), ids=("softmax", "grouped"))
+def test_route_on_the_other_gpu(groups):
+    """The route op's kernel on logits made on cuda:1 just before, cuda:0 current: the reference ops'
+    routing on cuda:1 (ids exactly, weights to float32 rounding)."""
+    logits = torch.randn(300, 64, device=OTHER) * 2
+    bias = torch.randn(64, device=OTHER) * 0.1 if groups else None
+    args = (logits, 6, "sigmoid" if groups else "softmax", True, groups, 3 if groups else 0, bias, 2.5 if groups else 1.0)
+    weights, ids = route_op(*args)
+    want_weights, want_ids = _route(*args)
+    assert weights.device == ids.device == OTHER
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=2e-6, atol=0)
 
 
 @pytest.mark.parametrize("m", (1, 300))
