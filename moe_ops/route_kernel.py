@@ -74,7 +74,7 @@ def _kept_groups(
     lowest = -2147483648
     keys = tl.where(groups[None, :] < num_groups, _order_key(score), lowest)
     kept = tl.zeros([BLOCK_M, G_P2], dtype=tl.int1)
-    for _ in tl.static_range(TOPK_GROUP):
+    for _ in range(TOPK_GROUP):
         pick = tl.argmax(keys, axis=1, tie_break_left=True).to(tl.int32)
         chosen = groups[None, :] == pick[:, None]
         kept = kept | chosen
@@ -132,7 +132,8 @@ def _route_kernel(
     slots = tl.arange(0, K_P2)
     weights = tl.zeros([BLOCK_M, K_P2], dtype=tl.float32)
     ids = tl.zeros([BLOCK_M, K_P2], dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
+    # A loop, not unrolled: unrolling k passes made the compile grow with k (k = 64: minutes).
+    for j in range(TOP_K):
         pick = tl.argmax(keys, axis=1, tie_break_left=True).to(tl.int32)
         chosen = positions[None, :] == pick[:, None]
         w = tl.sum(tl.where(chosen, scores, 0.0), axis=1)

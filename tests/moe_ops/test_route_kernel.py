@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_ops.routing import _route, route_op
+from tests.ptx import split_at_wait, touches_global
 from tests.triton_interpreter import needs_interpreter, run_interpreted
 
 RTOL = 2e-6  # the scores' exp and the sums in another order than torch's
@@ -154,6 +155,52 @@ def test_serves_up_to_1024_positions():
     assert serves(256, 8) and serves(160, 8)  # DeepSeek-V3, V2: 8 x 32 positions
     assert serves(768, 3) and not serves(999, 3)  # 4 x 256, 4 x 512
     assert not serves(2048, 8) and not serves(0, 0)
+
+
+def _compile_without_gpu(capability: int, top_k: int = 8, grid_dependency: bool = True):
+    """Triton's compile of the route kernel for sm_<capability> (through its own ptxas) as route_triton
+    launches DeepSeek-V3's routing: sigmoid + bias, 8 groups of 32 keeping 4, scaled."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moe_ops import plan_kernel, route_kernel
+
+    signature = {p: "*fp32" for p in ("logits_ptr", "bias_ptr", "weights_ptr")} | {"ids_ptr": "*i32"}
+    signature |= {s: "i32" for s in ("m", "num_groups", "group_size", "stride_m", "stride_e")} | {"scale": "fp32"}
+    constants = dict(
+        TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), SOFTMAX=False, HAS_BIAS=True, RENORMALIZE=True, SCALED=True,
+        BLOCK_M=16, G_P2=8, S_P2=32, TOPK_GROUP=4, TOP2=True, PDL=grid_dependency,
+    )  # fmt: skip
+    signature |= {c: "constexpr" for c in constants}
+    src = ASTSource(route_kernel._route_kernel, signature, constexprs=constants)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=plan_kernel.compile_options(grid_dependency))
+
+
+def test_cuda_route_waits_for_the_kernel_before_it():
+    """Launched as a programmatic dependent (launch_pdl) of the router's matmul, the kernel must not
+    read the logits (or touch any global memory) before griddepcontrol.wait; it lets the plan launch
+    before that wait."""
+    compiled = _compile_without_gpu(90)
+    assert compiled.metadata.launch_pdl
+    before, after = split_at_wait(compiled.asm["ptx"])
+    assert "griddepcontrol.launch_dependents" in before
+    assert not touches_global(before), "a global access before griddepcontrol.wait"
+    assert touches_global(after)
+
+
+def test_cuda_route_builds_for_sm80_without_grid_dependency():
+    """What an sm_80 GPU runs (plan_kernel.uses_grid_dependency False): ptxas for sm_80 and no
+    griddepcontrol instruction."""
+    compiled = _compile_without_gpu(80, grid_dependency=False)
+    assert compiled.asm["cubin"]
+    assert "griddepcontrol" not in compiled.asm["ptx"]
+
+
+def test_cuda_route_code_does_not_grow_with_top_k():
+    """The top-k passes are a loop, not unrolled: unrolled, k = 64 took minutes to compile."""
+    small, large = (len(_compile_without_gpu(90, top_k=k).asm["ptx"]) for k in (8, 64))
+    assert large < 1.2 * small, (small, large)
 
 
 def _case(name):
