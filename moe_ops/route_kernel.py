@@ -160,12 +160,13 @@ def _grid(num_experts: int, num_expert_group: int) -> tuple[int, int]:
     return triton.next_power_of_2(groups), triton.next_power_of_2(num_experts // groups)
 
 
-def serves(num_experts: int, num_expert_group: int) -> bool:
-    """Whether route_triton serves a call: every method, with up to MAX_EXPERTS positions (_grid)."""
-    if num_experts <= 0:
-        return False
+def why_not(num_experts: int, num_expert_group: int) -> str | None:
+    """Why route_triton cannot serve a call (too many positions, _grid), or None: it serves every method."""
     g_p2, s_p2 = _grid(num_experts, num_expert_group)
-    return g_p2 * s_p2 <= MAX_EXPERTS
+    if g_p2 * s_p2 <= MAX_EXPERTS:
+        return None
+    groups = f" in {num_expert_group} groups ({g_p2} x {s_p2} positions)" if num_expert_group else ""
+    return f"{num_experts} experts{groups}: the route kernel holds at most {MAX_EXPERTS} positions in registers"
 
 
 def route_triton(
@@ -180,7 +181,7 @@ def route_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [M, E] -> (topk_weights float32 [M, top_k], topk_ids int32 [M, top_k]), contiguous;
     the op's arguments (num_expert_group == 0: no groups), checked by the caller
-    (routing.check_route_args), for a call the kernel serves (serves)."""
+    (routing.check_route_args), for a call the kernel serves (why_not is None)."""
     m, num_experts = router_logits.shape
     device = router_logits.device
     weights = torch.empty(m, top_k, dtype=torch.float32, device=device)

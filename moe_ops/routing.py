@@ -27,11 +27,12 @@ vLLM's grouped_topk.
 
 On CUDA every method runs as one Triton kernel (route_kernel.py; the same ids, the weights to float32
 rounding) for E up to 1024 (with expert groups: groups times group size, each rounded up to a power of
-two); larger E runs the reference ops below, as every other device does.
+two); larger E runs the reference ops below, as every other device does, and warns once per size.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from numbers import Real
 
 import torch
@@ -167,16 +168,22 @@ def _route(
 
 route_op = torch.library.custom_op("moe_ops::route", _route, mutates_args=())
 
+_WARNED: set[str] = set()
+
 
 @route_op.register_kernel("cuda")
 def _route_cuda(router_logits, top_k, scoring, renormalize, num_expert_group, topk_group, bias, scale):
     """One Triton kernel (route_kernel.py) where it serves the sizes, else the reference ops above. The
     same ids and, to float32 rounding, the same weights either way."""
     check_route_args(router_logits, top_k, scoring, renormalize, num_expert_group, topk_group, bias, scale)
-    from .route_kernel import route_triton, serves
+    from .route_kernel import route_triton, why_not
 
-    if serves(router_logits.shape[1], num_expert_group):
+    why = why_not(router_logits.shape[1], num_expert_group)
+    if why is None:
         return route_triton(router_logits, top_k, scoring, renormalize, num_expert_group, topk_group, bias, scale)
+    if why not in _WARNED:  # nothing falls back silently: once per reason, as the fused ops do
+        _WARNED.add(why)
+        warnings.warn(f"moe_ops::route runs the reference ops on {router_logits.device}: {why}", stacklevel=2)
     return _route(router_logits, top_k, scoring, renormalize, num_expert_group, topk_group, bias, scale)
 
 

@@ -7,6 +7,7 @@ in a fresh subprocess); on the GPU it runs compiled, through the op's CUDA regis
 from __future__ import annotations
 
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -147,14 +148,30 @@ def test_specials_reach_every_edge():
     assert ids[6].tolist() == [0, 1, 2, 3, 4]  # -0.0 ties +0.0
 
 
-def test_serves_up_to_1024_positions():
+def test_kernel_serves_up_to_1024_positions():
     """The kernel takes E up to 1024 positions: groups and group size each rounded up to a power of two."""
-    from moe_ops.route_kernel import serves
+    from moe_ops.route_kernel import why_not
 
-    assert serves(1000, 0) and serves(1024, 0) and not serves(1025, 0)
-    assert serves(256, 8) and serves(160, 8)  # DeepSeek-V3, V2: 8 x 32 positions
-    assert serves(768, 3) and not serves(999, 3)  # 4 x 256, 4 x 512
-    assert not serves(2048, 8) and not serves(0, 0)
+    for e, groups in ((1, 0), (1000, 0), (1024, 0), (256, 8), (160, 8), (768, 3)):  # DeepSeek-V3, V2: 8 x 32
+        assert why_not(e, groups) is None, (e, groups)
+    assert why_not(1025, 0) == "1025 experts: the route kernel holds at most 1024 positions in registers"
+    assert why_not(999, 3) == "999 experts in 3 groups (4 x 512 positions): the route kernel holds at most 1024 positions in registers"
+    assert why_not(2048, 8) is not None
+
+
+def test_route_past_the_kernel_warns_once_and_runs_the_reference(monkeypatch):
+    """Where the kernel cannot serve, the op's CUDA impl runs the reference ops and says so once per
+    reason (here called with CPU tensors, which the reference takes alike)."""
+    from moe_ops import routing
+
+    monkeypatch.setattr(routing, "_WARNED", set())
+    args = (torch.randn(5, 2048), 8, "sigmoid", True, 8, 4, torch.randn(2048) * 0.1, 2.5)
+    with pytest.warns(UserWarning, match=r"moe_ops::route runs the reference ops on cpu: 2048 experts in 8 groups"):
+        got = routing._route_cuda(*args)
+    assert_same_routing(got, _route(*args))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        routing._route_cuda(*args)
 
 
 def _compile_without_gpu(capability: int, top_k: int = 8, grid_dependency: bool = True):
@@ -238,10 +255,13 @@ def test_route_op_on_cuda_matches_reference(case, rng):
 
 @pytest.mark.gpu
 def test_route_op_on_cuda_past_the_kernel_runs_the_reference():
-    """Sizes past the kernel's positions (serves) run the reference ops on CUDA, bit for bit."""
+    """Sizes past the kernel's positions (why_not) run the reference ops on CUDA, bit for bit."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     logits = torch.randn(16, 2048, device="cuda")
     args = (logits, 8, "sigmoid", True, 8, 4, torch.randn(2048, device="cuda") * 0.1, 2.5)
-    got, want = route_op(*args), _route(*args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the once-per-reason warning, tested on the CPU
+        got = route_op(*args)
+    want = _route(*args)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
