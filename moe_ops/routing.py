@@ -27,7 +27,8 @@ vLLM's grouped_topk.
 
 On CUDA every method runs as one Triton kernel (route_kernel.py; the same ids, the weights to float32
 rounding) for E up to 1024 (with expert groups: groups times group size, each rounded up to a power of
-two); larger E runs the reference ops below, as every other device does, and warns once per size.
+two); with larger E a CUDA call runs the reference ops below, as every other device does, and warns
+once per size.
 """
 from __future__ import annotations
 
