@@ -4,19 +4,21 @@ not) for E up to MAX_EXPERTS.
 
 Why: the reference is a dozen small tensor ops (two dozen with expert groups); inside a compiled graph
 the op runs them one by one. At M = 1 on an H100 the routing (with the router's linear) took 30-31 µs
-of a FusedMoE's 60 µs in a CUDA graph, 9 µs with this kernel; without a graph the reference function
-costs ~136 µs of host time (bench/NOTES.md v39).
+of a FusedMoE's 60 µs in a CUDA graph, 9 µs with this kernel; DeepSeek-V3's grouped routing 83 µs,
+11 with it (bench/NOTES.md v39, v40).
 
 Same results as the reference: the ids exactly (the k largest selection scores, best first, an exact
 tie to the lower expert id, NaN ranked last), the weights to float32 rounding (the scores' exp and
-the sums are computed in another order). Without a correction bias the logits themselves rank, so
-the ids never depend on rounding; with one they rank by computed scores, and two candidates (experts,
-or groups by their two best scores) whose scores tie in the reals but not in float32 are ordered by
-rounding, here as between torch's own CPU and GPU kernels. Each program takes BLOCK_M tokens and all E experts: the top k
-come from k passes of an argmax over integer keys that order like the scores (ties to the left), each
-pass removing its pick. With expert groups the experts sit in a [G_P2, S_P2] grid of (group, place)
-positions, the groups' scores come from a reduction over the places, and topk_group passes of the same
-argmax over the groups' keys choose the groups whose experts stay in the race.
+the sums are computed in another order). Without a correction bias the logits themselves rank, so the
+ids never depend on rounding; with one they rank by computed scores, and two candidates (experts, or
+groups by their two best scores) whose scores tie in the reals but not in float32 are ordered by
+rounding, here as between torch's own CPU and GPU kernels.
+
+Each program takes BLOCK_M tokens and all E experts: the top k come from k passes of an argmax over
+integer keys that order like the scores (ties to the left), each pass removing its pick. With expert
+groups the experts sit in a [G_P2, S_P2] grid of (group, place) positions, the groups' scores come
+from a reduction over the places, and topk_group passes of the same argmax over the groups' keys
+choose the groups whose experts stay in the race.
 """
 from __future__ import annotations
 
@@ -97,7 +99,7 @@ def _route_kernel(
         # this kernel and promises nothing. This kernel is likewise a dependent of the router's matmul.
         gdc_launch_dependents()
         gdc_wait()
-    # Without expert groups: one group of all E experts (G_P2 = 1, S_P2 = BLOCK_E, TOPK_GROUP = 0).
+    # Without expert groups: one group of all E experts (G_P2 = 1, S_P2 = E to a power of two, TOPK_GROUP = 0).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     positions = tl.arange(0, G_P2 * S_P2)
     group = positions // S_P2
@@ -193,8 +195,8 @@ def route_triton(
     group_size = num_experts // num_groups
     block_m = max(1, min(triton.next_power_of_2(m), _TILE // (g_p2 * s_p2)))
     bias = e_score_correction_bias.contiguous() if e_score_correction_bias is not None else router_logits
-    # A programmatic dependent launch on sm_90+, as the plan's (plan_kernel.py): the wait above covers
-    # all older work on the stream, since the kernel before this one completes after its predecessors.
+    # A programmatic dependent launch on sm_90+, as the plan's (plan_kernel.py): the kernel's wait
+    # covers all older work on the stream, since the kernel before it completes after its predecessors.
     grid_dependency = uses_grid_dependency(device)
     with on_device(device):
         _route_kernel[(triton.cdiv(m, block_m),)](
