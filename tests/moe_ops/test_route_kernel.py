@@ -45,6 +45,7 @@ CASES = [
     ("grouped_specials_softmax", 24, 16, 5, "float32", "softmax", True, True, 1.0, "specials", (4, 2)),
     ("grouped_specials_no_bias", 24, 16, 5, "float32", "softmax", True, False, 1.0, "specials", (4, 2)),
     ("grouped_strided", 30, 64, 8, "float32", "sigmoid", True, True, 1.0, "strided", (8, 4)),
+    ("grouped_infinite_bias", 8, 16, 5, "float32", "sigmoid", True, "infinite", 1.0, "randn", (4, 2)),
 ]
 
 
@@ -83,6 +84,11 @@ def case_args(case, device="cpu"):
         # group ties in the reals only: sigmoid(a) + b1 + sigmoid(c) + b2 against the same with b1 and b2
         # swapped, where float32 rounding (torch's own differs between CPU and GPU) picks the group.
         b = (torch.randint(0, 2, (groups,), device=device) * 0.25).repeat_interleave(e // groups)
+    elif bias == "infinite":
+        # Group 0's two best are +inf and -inf: after nan_to_num they sum to 0, which beats the other
+        # groups' (about -9); summed as they are they would give NaN, ranked last.
+        b = torch.full((e,), -5.0, device=device)
+        b[0], b[1:4] = float("inf"), float("-inf")
     elif bias:
         b = torch.randn(e, device=device) * 0.1
         if bias == "nan":
