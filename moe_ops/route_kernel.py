@@ -171,6 +171,21 @@ def why_not(num_experts: int, num_expert_group: int) -> str | None:
     return f"{num_experts} experts{groups}: the route kernel holds at most {MAX_EXPERTS} positions in registers"
 
 
+# Programs the launch aims for: about one per SM, so that a few tokens spread over many SMs instead of
+# queueing in one program's passes.
+_PROGRAMS = 128
+
+
+def _launch_shape(m: int, positions: int, grouped: bool) -> tuple[int, int]:
+    """(BLOCK_M, num_warps) for M tokens over this many positions: the fewest tokens per program that
+    still give about _PROGRAMS programs (at most _TILE elements each), and a warp per 128 elements, 1
+    to 8; with expert groups, whose group stage has more to do, a warp per 64 elements, 1 to 4
+    (bench/NOTES.md v40 item 8)."""
+    block_m = max(1, min(triton.next_power_of_2(triton.cdiv(m, _PROGRAMS)), _TILE // positions))
+    per_warp, most = (64, 4) if grouped else (128, 8)
+    return block_m, max(1, min(most, block_m * positions // per_warp))
+
+
 def route_triton(
     router_logits: torch.Tensor,
     top_k: int,
@@ -193,7 +208,7 @@ def route_triton(
     g_p2, s_p2 = _grid(num_experts, num_expert_group)
     num_groups = max(num_expert_group, 1)
     group_size = num_experts // num_groups
-    block_m = max(1, min(triton.next_power_of_2(m), _TILE // (g_p2 * s_p2)))
+    block_m, num_warps = _launch_shape(m, g_p2 * s_p2, num_expert_group > 0)
     bias = e_score_correction_bias.contiguous() if e_score_correction_bias is not None else router_logits
     # A programmatic dependent launch on sm_90+, as the plan's (plan_kernel.py): the kernel's wait
     # covers all older work on the stream, since the kernel before it completes after its predecessors.
@@ -207,7 +222,7 @@ def route_triton(
             SCALED=float(routed_scaling_factor) != 1.0, BLOCK_M=block_m, G_P2=g_p2, S_P2=s_p2,
             TOPK_GROUP=topk_group if num_expert_group else 0,
             # routing.GROUP_SCORE: the two best with a correction bias (one if a group holds one expert).
-            TOP2=e_score_correction_bias is not None and group_size > 1, PDL=grid_dependency, num_warps=4,
+            TOP2=e_score_correction_bias is not None and group_size > 1, PDL=grid_dependency, num_warps=num_warps,
             **compile_options(grid_dependency),
         )  # fmt: skip
     return weights, ids
