@@ -4,7 +4,7 @@ not) for E up to MAX_EXPERTS.
 
 Why: the reference is a dozen small tensor ops (two dozen with expert groups); inside a compiled graph
 the op runs them one by one. At M = 1 on an H100 the routing (with the router's linear) took 30-31 µs
-of a FusedMoE's 60 µs in a CUDA graph, 9 µs with this kernel; DeepSeek-V3's grouped routing 83 µs,
+of a FusedMoE's 60 µs in a CUDA graph, 8 µs with this kernel; DeepSeek-V3's grouped routing 81 µs,
 11 with it (bench/NOTES.md v39, v40).
 
 Same results as the reference: the ids exactly (the k largest selection scores, best first, an exact
