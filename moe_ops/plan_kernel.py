@@ -261,10 +261,11 @@ def routing_plan_triton(
     early = num_pairs <= EARLY_MAX_PAIRS and grid_dependency
     # The plan itself launches as a programmatic dependent (PDL) of the kernel before it on the stream
     # (the route op's kernel or the previous MoE layer's token sum, which both let it launch early, or a
-    # model's own routing): its launch overlaps that kernel's end, and it waits for it before reading (bench/NOTES.md, v22). That wait
-    # covers all older work on the stream, as the kernel before it completes only after its own
-    # predecessors (a normal launch starts after them; a programmatic dependent waits for them). The
-    # token sum's early reads of topk_weights rely on the same chain (token_sum.py).
+    # model's own routing): its launch overlaps that kernel's end, and it waits for it before reading
+    # (bench/NOTES.md, v22). That wait covers all older work on the stream, as the kernel before it
+    # completes only after its own predecessors (a normal launch starts after them; a programmatic
+    # dependent waits for them). The token sum's early reads of topk_weights rely on the same chain
+    # (token_sum.py).
     options = {"PDL": grid_dependency, **compile_options(grid_dependency)}
     with on_device(device):
         if launch.method == "keys":
