@@ -1,6 +1,6 @@
 """Routing in one Triton kernel: the CUDA implementation of moe_ops::route, every method (softmax or
 sigmoid scores, with or without a correction bias, renormalized or not, scaled or not, grouped top-k or
-not) for E up to MAX_EXPERTS.
+not) for up to MAX_POSITIONS positions (E, rounded up to a power of two per group and group count).
 
 Why: the reference is a dozen small tensor ops (two dozen with expert groups); inside a compiled graph
 the op runs them one by one. At M = 1 on an H100 the routing (with the router's linear) took 30-31 µs
@@ -32,8 +32,8 @@ from .plan_kernel import compile_options, on_device, uses_grid_dependency
 
 # A row of experts lives in registers: up to this many positions (E, or with expert groups the groups
 # times the group size, each rounded up to a power of two), else the reference.
-MAX_EXPERTS = 1024
-_TILE = 4096  # BLOCK_M x BLOCK_E elements per program
+MAX_POSITIONS = 1024
+_TILE = 4096  # at most BLOCK_M x positions elements per program
 
 
 @triton.jit
@@ -155,20 +155,21 @@ def _route_kernel(
     tl.store(ids_ptr + out, ids, mask=keep)
 
 
-def _grid(num_experts: int, num_expert_group: int) -> tuple[int, int]:
-    """(G_P2, S_P2): the power-of-two grid of (group, place) positions that holds E experts in
-    num_expert_group groups (no groups: one group of E)."""
+def _grid(num_experts: int, num_expert_group: int) -> tuple[int, int, int, int]:
+    """(groups, group size, G_P2, S_P2): E experts in num_expert_group groups (no groups: one group of
+    E) and the power-of-two grid of (group, place) positions that holds them."""
     groups = max(num_expert_group, 1)
-    return triton.next_power_of_2(groups), triton.next_power_of_2(num_experts // groups)
+    size = num_experts // groups
+    return groups, size, triton.next_power_of_2(groups), triton.next_power_of_2(size)
 
 
 def why_not(num_experts: int, num_expert_group: int) -> str | None:
     """Why route_triton cannot serve a call (too many positions, _grid), or None: it serves every method."""
-    g_p2, s_p2 = _grid(num_experts, num_expert_group)
-    if g_p2 * s_p2 <= MAX_EXPERTS:
+    _, _, g_p2, s_p2 = _grid(num_experts, num_expert_group)
+    if g_p2 * s_p2 <= MAX_POSITIONS:
         return None
     groups = f" in {num_expert_group} groups ({g_p2} x {s_p2} positions)" if num_expert_group else ""
-    return f"{num_experts} experts{groups}: the route kernel holds at most {MAX_EXPERTS} positions in registers"
+    return f"{num_experts} experts{groups}: the route kernel holds at most {MAX_POSITIONS} positions in registers"
 
 
 # Programs the launch aims for: about one per SM, so that a few tokens spread over many SMs instead of
@@ -205,9 +206,7 @@ def route_triton(
     ids = torch.empty(m, top_k, dtype=torch.int32, device=device)
     if m == 0:
         return weights, ids
-    g_p2, s_p2 = _grid(num_experts, num_expert_group)
-    num_groups = max(num_expert_group, 1)
-    group_size = num_experts // num_groups
+    num_groups, group_size, g_p2, s_p2 = _grid(num_experts, num_expert_group)
     block_m, num_warps = _launch_shape(m, g_p2 * s_p2, num_expert_group > 0)
     bias = e_score_correction_bias.contiguous() if e_score_correction_bias is not None else router_logits
     # A programmatic dependent launch on sm_90+, as the plan's (plan_kernel.py): the kernel's wait

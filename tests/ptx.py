@@ -16,3 +16,14 @@ def split_at_wait(ptx: str) -> tuple[str, str]:
 
 def touches_global(text: str) -> bool:
     return any(op in text for op in GLOBAL_OPS)
+
+
+def compile_triton(kernel, signature: dict, constexprs: dict, capability: int, options: dict):
+    """Triton's compile of `kernel` for sm_<capability> through its own ptxas, no GPU needed: the
+    runtime arguments' types in signature, the constexprs' values in constexprs."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(kernel, signature | {c: "constexpr" for c in constexprs}, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)

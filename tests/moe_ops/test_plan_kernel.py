@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe_ops.plan import routing_plan
-from tests.ptx import split_at_wait, touches_global
+from tests.ptx import compile_triton, split_at_wait, touches_global
 from tests.triton_interpreter import needs_interpreter, run_interpreted
 
 # (M, k, E, expert_map, launch): each kernel with one program or chunk, with many programs and a partial
@@ -235,19 +235,13 @@ _SIGNATURES = {
 def _compile_without_gpu(name: str, capability: int, grid_dependency: bool):
     """Triton's compile of one plan kernel for sm_<capability> (through its own ptxas), with or without
     PDL and the early launch, as routing_plan_triton launches it."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from moe_ops import plan_kernel
 
     sizes, extra_ptrs = _SIGNATURES[name]
     ptrs = ("ids_ptr", "map_ptr", "offsets_ptr", "gather_ptr", "inverse_ptr", *extra_ptrs)
     signature = {p: "*i32" for p in ptrs} | {s: "i32" for s in ("num_pairs", "k", "num_experts", "num_global")}
     constants = {"HAS_MAP": True, "EARLY_LAUNCH": grid_dependency, "PDL": grid_dependency, **sizes}
-    signature |= {c: "constexpr" for c in constants}
-    src = ASTSource(getattr(plan_kernel, name), signature, constexprs=constants)
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=plan_kernel.compile_options(grid_dependency))
+    return compile_triton(getattr(plan_kernel, name), signature, constants, capability, plan_kernel.compile_options(grid_dependency))
 
 
 @pytest.mark.parametrize("name", sorted(_SIGNATURES))

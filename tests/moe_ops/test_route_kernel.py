@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moe_ops.routing import _route, route_op
-from tests.ptx import split_at_wait, touches_global
+from tests.ptx import compile_triton, split_at_wait, touches_global
 from tests.triton_interpreter import needs_interpreter, run_interpreted
 
 RTOL = 2e-6  # the scores' exp and the sums in another order than torch's
@@ -184,8 +184,6 @@ def _compile_without_gpu(capability: int, top_k: int = 8, grid_dependency: bool 
     """Triton's compile of the route kernel for sm_<capability> (through its own ptxas) as route_triton
     launches DeepSeek-V3's routing: sigmoid + bias, 8 groups of 32 keeping 4, scaled."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from moe_ops import plan_kernel, route_kernel
 
@@ -195,9 +193,7 @@ def _compile_without_gpu(capability: int, top_k: int = 8, grid_dependency: bool 
         TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), SOFTMAX=False, HAS_BIAS=True, RENORMALIZE=True, SCALED=True,
         BLOCK_M=16, G_P2=8, S_P2=32, TOPK_GROUP=4, TOP2=True, PDL=grid_dependency,
     )  # fmt: skip
-    signature |= {c: "constexpr" for c in constants}
-    src = ASTSource(route_kernel._route_kernel, signature, constexprs=constants)
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=plan_kernel.compile_options(grid_dependency))
+    return compile_triton(route_kernel._route_kernel, signature, constants, capability, plan_kernel.compile_options(grid_dependency))
 
 
 def test_cuda_route_waits_for_the_kernel_before_it():
