@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_ops.eager_kernels import COLUMN_MAJOR_REMEDY
+
 REQUIRE_KERNELS = {"value": os.environ.get("MOE_OPS_REQUIRE_KERNELS", "0") == "1"}
 
 
@@ -71,9 +73,6 @@ def _run_down_reduce(args: dict):
 
 _KERNELS = {"gate_up": _run_gate_up, "down_reduce": _run_down_reduce}
 
-# Where column-major experts usually come from (transformers' transposed experts: gpt-oss, Aria), and
-# the one call that re-stores them for the kernels.
-_COLUMN_MAJOR_REMEDY = " (a transformers model's transposed experts: moe_ops.integrations.transformers.row_major_experts(model) re-stores them once)"
 
 
 def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
@@ -84,7 +83,7 @@ def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
     )  # fmt: skip
     if recipe["w_column_major"]:
         # Before the contiguity check, which such a weight fails too: this reason says what to change.
-        return False, interface.COLUMN_MAJOR + _COLUMN_MAJOR_REMEDY
+        return False, interface.COLUMN_MAJOR + COLUMN_MAJOR_REMEDY
     if not recipe["contiguous"]:
         return False, "a non-contiguous input; the kernels take contiguous tensors"
     wide = {name: dtype for name, dtype in recipe["index_dtypes"].items() if dtype != torch.int32}

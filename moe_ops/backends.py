@@ -3,8 +3,8 @@
 Backends:
 - reference: plain PyTorch (moe_ops' own ops), every scheme, on any device with the dtypes it needs.
   It dequantizes weights on each call: right everywhere, fast nowhere.
-- cute: the CuTe DSL grouped-GEMM kernels (cute_kernels) behind the fused ops of the lowering, on
-  Hopper (sm_90) GPUs.
+- cute: the CuTe DSL grouped-GEMM kernels (cute_kernels) on Hopper (sm_90) GPUs: behind the fused ops
+  of the lowering when compiled, called by fused_experts itself when eager (eager_kernels.py).
 `support_table()` prints the answer to "why is this slow / unsupported?".
 """
 from __future__ import annotations

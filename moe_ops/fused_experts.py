@@ -2,6 +2,7 @@
 
 routing_plan -> [quantize] -> grouped_gemm (gathers tokens) -> activation -> [quantize] -> grouped_gemm
 -> weighted_reduce. Each op appears as one node in a compiled graph, which is what the lowering fuses.
+An eager call on a Hopper GPU runs the CuTe DSL kernels directly instead (eager_kernels.py).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _checks
+from . import _checks, eager_kernels
 from .activation import Activation, resolve_activation
 from .activation import activation as activation_op
 from .backends import check_device_supports
@@ -155,7 +156,9 @@ def fused_experts(
     Returns [M, H] in hidden_states' dtype.
 
     Eager calls check expert ids against [0, E_global) (a host sync); compiled and CUDA-graph-captured
-    calls skip that check and treat an out-of-range id like an expert on another rank.
+    calls skip that check and treat an out-of-range id like an expert on another rank. An eager call on
+    an sm_90 GPU runs the CuTe DSL kernels where they serve it, else the op chain with a warning once
+    per reason (eager_kernels.py); compiled, the chain is what the lowering fuses.
     """
     act = resolve_activation(activation)
     if not isinstance(apply_router_weight_on_input, bool):
@@ -177,6 +180,13 @@ def fused_experts(
             raise ValueError(f"apply_router_weight_on_input: needs top_k == 1, got top_k={shape.top_k}")
         hidden_states = (hidden_states.float() * topk_weights).to(hidden_states.dtype)
         topk_weights = torch.ones_like(topk_weights)
+
+    if eager_kernels.applies(hidden_states):
+        x, weights = hidden_states.contiguous(), topk_weights.contiguous()
+        interface, why = eager_kernels.why_not(x, w13, w2, weights, act, config, w13_bias, w2_bias)
+        if why is None:
+            return eager_kernels.run(interface, x, w13, w2, weights, topk_ids, act, w13_bias, w2_bias, expert_map)
+        eager_kernels.warn_once(why, hidden_states.device)
 
     scheme = config.scheme
     out_dtype = hidden_states.dtype

@@ -1,0 +1,112 @@
+"""Eager fused_experts on a Hopper GPU: the CuTe DSL kernels (cute_kernels.interface) instead of the op chain.
+
+Compiled, fused_experts is the chain of moe_ops ops that the lowering replaces with its two fused ops. An
+eager call has no compiler to do that: run op by op on the GPU, the chain is the reference (torch's
+grouped_mm with float32 intermediates: 54-58 kernels per call of the qwen3 and gpt-oss shapes). So an
+eager call whose recipe the kernels serve runs them directly, as the lowering's fused ops would: the
+routing plan, then gate_up (gather + GEMM1 + activation) and down_reduce (GEMM2 + the router-weighted
+token sum), four launches, the same outputs bit for bit as the compiled layer's (bench/NOTES.md v41
+has the times). The op chain still runs where it must:
+- under torch.compile and torch.export (the compiler needs the chain; is_compiling() says so), on
+  tensors without values (fake, meta) and off CUDA;
+- where the kernels cannot serve the call: in grad mode with an input that requires grad (the chain's
+  ops carry the backward that raises, forward_only.py; the kernels' output would have no grad_fn at
+  all), a quantized scheme, another GPU than sm_90, column-major weights, ... Such a CUDA call warns
+  once per reason: nothing falls back silently (the lowering's fused ops warn the same way).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import _checks
+from .activation import Activation
+from .plan import routing_plan
+from .quant.config import QuantConfig
+
+# Where column-major experts usually come from (transformers' transposed experts: gpt-oss, Aria), and
+# the one call that re-stores them for the kernels (the lowering's reason says it too).
+COLUMN_MAJOR_REMEDY = (
+    " (a transformers model's transposed experts: moe_ops.integrations.transformers.row_major_experts(model) "
+    "re-stores them once)"
+)
+
+_WARNED: set[str] = set()
+
+
+def _interface():
+    """cute_kernels.interface, or None with the reason it cannot be imported (an optional dependency)."""
+    try:
+        from cute_kernels import interface
+    except ImportError as e:
+        return None, f"cute_kernels unavailable ({e})"
+    return interface, ""
+
+
+def applies(hidden_states: torch.Tensor) -> bool:
+    """Whether an eager fused_experts call is one the kernels may take: real CUDA tensors, not traced by
+    torch.compile or torch.export (see the module docstring)."""
+    return not torch.compiler.is_compiling() and hidden_states.device.type == "cuda" and _checks.has_values(hidden_states)
+
+
+def _gate_layout(act: Activation) -> str:
+    if not act.gated:
+        return "none"
+    return "interleaved" if act.interleaved else "concat"
+
+
+GRAD = (
+    "an input requires grad: the kernels have no backward, the ops' backward raises (forward_only.py); "
+    "run under torch.no_grad() or torch.inference_mode() for the kernels"
+)
+
+
+def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_bias, w2_bias) -> tuple[object, str | None]:
+    """(interface, None) when the kernels serve this call (its arguments checked by fused_experts
+    already), else (interface or None, the reason)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w13, w2, topk_weights, w13_bias, w2_bias)):
+        return None, GRAD
+    interface, why = _interface()
+    if interface is None:
+        return None, why
+    ok, why = interface.device_support(x.device)
+    if not ok:
+        return interface, why
+    num_experts, n13, hidden = w13.shape
+    row_major = w13.stride(2) == 1 and w2.stride(2) == 1
+    if not row_major:
+        return interface, interface.COLUMN_MAJOR + COLUMN_MAJOR_REMEDY
+    for name, t in (("w13", w13), ("w2", w2), ("w13_bias", w13_bias), ("w2_bias", w2_bias)):
+        if t is not None and not t.is_contiguous():
+            return interface, f"{name}: strides {t.stride()} are not contiguous; the kernels take contiguous tensors"
+    common = dict(
+        dtype=x.dtype, weight_dtype=w13.dtype, hidden=hidden, intermediate=w2.shape[2], num_experts=num_experts,
+        weight_row_major=True, quantized=config.scheme.activation is not None or config.scheme.weight is not None,
+    )  # fmt: skip
+    for ok, why in (
+        interface.gate_up_support(activation=act.kind, gate_layout=_gate_layout(act), has_bias=w13_bias is not None, **common),
+        interface.down_reduce_support(has_bias=w2_bias is not None, **common),
+    ):
+        if not ok:
+            return interface, why
+    why = interface.misaligned(x=x, w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias, topk_weights=topk_weights)
+    return interface, why
+
+
+def run(interface, x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias, w2_bias, expert_map) -> torch.Tensor:
+    """fused_experts through the kernels, for a call why_not() accepted: [M, H] in x's dtype."""
+    offsets, gather_idx, inverse = routing_plan(topk_ids, w13.shape[0], expert_map)
+    h = interface.gate_up(
+        x, w13, w13_bias, offsets, gather_idx, activation=act.kind, alpha=act.alpha, limit=act.limit,
+        gate_layout=_gate_layout(act), expert_ids=topk_ids if expert_map is None else None,
+    )  # fmt: skip
+    # GEMM2 may start loading w2 before GEMM1 ends: w2 and the offsets were written before GEMM1 launched.
+    return interface.down_reduce(h, w2, w2_bias, offsets, topk_weights, inverse, weights_early=True)
+
+
+def warn_once(why: str, device: torch.device) -> None:
+    """The chain runs on CUDA instead of the kernels: say so, once per reason."""
+    if why not in _WARNED:
+        _WARNED.add(why)
+        warnings.warn(f"moe_ops.fused_experts runs the reference ops on {device}: {why}", stacklevel=3)
