@@ -5,6 +5,8 @@ tensors' GPU and its current stream. Needs two Hopper GPUs:
 python -m pytest -m gpu tests/lowering/test_multi_gpu.py"""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -101,8 +103,9 @@ def _check(layer: moe_ops.FusedMoE, x: torch.Tensor, out: torch.Tensor) -> None:
 @pytest.mark.parametrize("m", (1, 64))
 @pytest.mark.parametrize("mode", ("eager", "compiled per layer", "compiled whole"))
 def test_model_over_two_gpus(mode, m):
-    """A model with a layer on each GPU, cuda:0 current, eager or compiled with the lowering (kernels
-    required): each layer's output against moe_float64 of its own input."""
+    """A model with a layer on each GPU, cuda:0 current, eager (the kernels through fused_experts,
+    eager_kernels.py: no fallback warning) or compiled with the lowering (kernels required): each
+    layer's output against moe_float64 of its own input."""
     model = _TwoStages(**SHAPE)
     first, second = model.first, model.second
     if mode == "compiled per layer":
@@ -110,10 +113,12 @@ def test_model_over_two_gpus(mode, m):
         model.second = torch.compile(model.second, fullgraph=True, dynamic=True)
     run = torch.compile(model, fullgraph=True, dynamic=True) if mode == "compiled whole" else model
     x = torch.randn(m, SHAPE["hidden_size"], device="cuda:0", dtype=torch.bfloat16)
-    with torch.no_grad(), lowering.enabled(require_kernels=mode != "eager"):
+    with torch.no_grad(), lowering.enabled(require_kernels=mode != "eager"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         h, out = run(x)
         _check(first, x, h)
         _check(second, h.to(OTHER), out)
+    assert not [str(w.message) for w in caught if "runs the reference" in str(w.message)]
 
 
 def test_cuda_graphs_per_layer_over_two_gpus():
