@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_ops.eager_kernels import COLUMN_MAJOR_REMEDY
+from moe_ops.eager_kernels import COLUMN_MAJOR_REMEDY, gate_layout
 
 REQUIRE_KERNELS = {"value": os.environ.get("MOE_OPS_REQUIRE_KERNELS", "0") == "1"}
 
@@ -45,19 +45,13 @@ def _contiguous(*tensors) -> bool:
     return all(t is None or t.is_contiguous() for t in tensors)
 
 
-def _gate_layout(activation: str, interleaved: bool) -> str:
-    if activation == "relu2":
-        return "none"
-    return "interleaved" if interleaved else "concat"
-
-
 def _run_gate_up(args: dict):
     from cute_kernels import interface
 
     out = interface.gate_up(
         args["x"], args["w"], args["bias"], args["expert_offsets"], args["gather_idx"],
         activation=args["activation"], alpha=args["alpha"], limit=args["limit"],
-        gate_layout=_gate_layout(args["activation"], args["interleaved"]), expert_ids=args["expert_ids"],
+        gate_layout=gate_layout(args["activation"], args["interleaved"]), expert_ids=args["expert_ids"],
     )  # fmt: skip
     return out, out.new_empty((0,), dtype=torch.float32)
 
@@ -93,7 +87,7 @@ def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
     if recipe["out_dtype"] != recipe["dtype"]:
         return False, f"output in {recipe['out_dtype']} from inputs in {recipe['dtype']}; the kernels write the inputs' dtype"
     if op == "gate_up":
-        return interface.gate_up_support(activation=recipe["activation"], gate_layout=_gate_layout(recipe["activation"], recipe["interleaved"]), **common)
+        return interface.gate_up_support(activation=recipe["activation"], gate_layout=gate_layout(recipe["activation"], recipe["interleaved"]), **common)
     if recipe["router_weight_dtype"] != torch.float32:
         return False, f"router weights in {recipe['router_weight_dtype']}; the kernels take float32"
     return interface.down_reduce_support(**common)

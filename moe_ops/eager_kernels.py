@@ -21,7 +21,7 @@ import warnings
 import torch
 
 from . import _checks
-from .activation import Activation
+from .activation import ACTIVATIONS, Activation
 from .plan import routing_plan
 from .quant.config import QuantConfig
 
@@ -50,10 +50,12 @@ def applies(hidden_states: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and hidden_states.device.type == "cuda" and _checks.has_values(hidden_states)
 
 
-def _gate_layout(act: Activation) -> str:
-    if not act.gated:
+def gate_layout(kind: str, interleaved: bool) -> str:
+    """How the kernels read GEMM1's rows for an activation: "concat" ([gate; up]), "interleaved"
+    (gate and up alternating) or "none" (no gate). The lowering's fused ops map their recipe with it too."""
+    if not ACTIVATIONS[kind][0]:
         return "none"
-    return "interleaved" if act.interleaved else "concat"
+    return "interleaved" if interleaved else "concat"
 
 
 GRAD = (
@@ -73,7 +75,7 @@ def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_
     ok, why = interface.device_support(x.device)
     if not ok:
         return interface, why
-    num_experts, n13, hidden = w13.shape
+    num_experts, _, hidden = w13.shape
     row_major = w13.stride(2) == 1 and w2.stride(2) == 1
     if not row_major:
         return interface, interface.COLUMN_MAJOR + COLUMN_MAJOR_REMEDY
@@ -85,7 +87,7 @@ def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_
         weight_row_major=True, quantized=config.scheme.activation is not None or config.scheme.weight is not None,
     )  # fmt: skip
     for ok, why in (
-        interface.gate_up_support(activation=act.kind, gate_layout=_gate_layout(act), has_bias=w13_bias is not None, **common),
+        interface.gate_up_support(activation=act.kind, gate_layout=gate_layout(act.kind, act.interleaved), has_bias=w13_bias is not None, **common),
         interface.down_reduce_support(has_bias=w2_bias is not None, **common),
     ):
         if not ok:
@@ -99,7 +101,7 @@ def run(interface, x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias
     offsets, gather_idx, inverse = routing_plan(topk_ids, w13.shape[0], expert_map)
     h = interface.gate_up(
         x, w13, w13_bias, offsets, gather_idx, activation=act.kind, alpha=act.alpha, limit=act.limit,
-        gate_layout=_gate_layout(act), expert_ids=topk_ids if expert_map is None else None,
+        gate_layout=gate_layout(act.kind, act.interleaved), expert_ids=topk_ids if expert_map is None else None,
     )  # fmt: skip
     # GEMM2 may start loading w2 before GEMM1 ends: w2 and the offsets were written before GEMM1 launched.
     return interface.down_reduce(h, w2, w2_bias, offsets, topk_weights, inverse, weights_early=True)
