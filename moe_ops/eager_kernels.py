@@ -22,7 +22,6 @@ import torch
 
 from . import _checks
 from .activation import ACTIVATIONS, Activation
-from .plan import routing_plan
 from .quant.config import QuantConfig
 
 # Where column-major experts usually come from (transformers' transposed experts: gpt-oss, Aria), and
@@ -44,10 +43,11 @@ def _interface():
     return interface, ""
 
 
-def applies(hidden_states: torch.Tensor) -> bool:
-    """Whether an eager fused_experts call is one the kernels may take: real CUDA tensors, not traced by
-    torch.compile or torch.export (see the module docstring)."""
-    return not torch.compiler.is_compiling() and hidden_states.device.type == "cuda" and _checks.has_values(hidden_states)
+def applies(t: torch.Tensor) -> bool:
+    """Whether a call on t may leave the op chain for the kernels: t is a real CUDA tensor and neither
+    torch.compile nor torch.export traces the call (see the module docstring). routing.route asks it
+    too, to call its op's CUDA impl without the dispatcher."""
+    return not torch.compiler.is_compiling() and t.device.type == "cuda" and _checks.has_values(t)
 
 
 def gate_layout(kind: str, interleaved: bool) -> str:
@@ -98,7 +98,12 @@ def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_
 
 def run(interface, x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias, w2_bias, expert_map) -> torch.Tensor:
     """fused_experts through the kernels, for a call why_not() accepted: [M, H] in x's dtype."""
-    offsets, gather_idx, inverse = routing_plan(topk_ids, w13.shape[0], expert_map)
+    # The routing plan op's CUDA kernel, called directly: fused_experts checked its arguments already,
+    # and the op's dispatch cost ~80 µs of host time per call in situ (bench/NOTES.md v41 item 3).
+    # Imported here, as the op imports it: Triton's import is slow and only CUDA calls need it.
+    from .plan_kernel import routing_plan_triton
+
+    offsets, gather_idx, inverse = routing_plan_triton(topk_ids, w13.shape[0], expert_map)
     h = interface.gate_up(
         x, w13, w13_bias, offsets, gather_idx, activation=act.kind, alpha=act.alpha, limit=act.limit,
         gate_layout=gate_layout(act.kind, act.interleaved), expert_ids=topk_ids if expert_map is None else None,

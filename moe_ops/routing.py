@@ -38,7 +38,7 @@ from numbers import Real
 
 import torch
 
-from . import _checks, forward_only
+from . import _checks, eager_kernels, forward_only
 
 SCORING = {
     "softmax": lambda logits: torch.softmax(logits, dim=-1),
@@ -232,6 +232,11 @@ def route(
         raise ValueError(f"num_expert_group: got 0; allowed: a divisor of E={router_logits.shape[-1]}, or None for no grouping")
     args = (router_logits, top_k, scoring, renormalize, num_expert_group or 0, topk_group or 0, e_score_correction_bias)
     check_route_args(*args, routed_scaling_factor)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (router_logits, e_score_correction_bias))
+    if eager_kernels.applies(router_logits) and not needs_grad:
+        # An eager CUDA call that autograd does not need: the op's CUDA impl without the dispatcher, which
+        # cost ~100 µs of host time per call (bench/NOTES.md v41 item 3). The same outputs.
+        return _route_cuda(*args, float(routed_scaling_factor))
     return route_op(*args, float(routed_scaling_factor))
 
 

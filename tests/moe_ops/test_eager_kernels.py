@@ -1,5 +1,6 @@
 """Eager fused_experts on a Hopper GPU runs the CuTe DSL kernels (moe_ops/eager_kernels.py), and the op
-chain everywhere else: when the kernels cannot serve a CUDA call it warns once per reason.
+chain everywhere else: when the kernels cannot serve a CUDA call it warns once per reason. Eager CUDA
+routing without autograd calls the route op's CUDA impl without the dispatcher.
 
 The CPU tests check the choice (why_not's reasons, with the device check answered as sm_90) and that a
 CPU call never reaches the kernels; the GPU tests run them."""
@@ -260,3 +261,44 @@ def test_eager_fused_moe_layer_runs_the_kernels():
         ref = moe_float64(x, w13, w2, tw, ids, activation=layer.activation, intermediate_dtype=torch.bfloat16)
     assert sum("routing_plan" in n for n in names) == 1 and not any("grouped_mm" in n for n in names), names
     assert relative_error(out, ref) <= tolerance(torch.bfloat16)
+
+
+def _counting_route_op(monkeypatch):
+    from moe_ops import routing
+
+    calls = []
+    op = routing.route_op
+
+    def counted(*args):
+        calls.append(args)
+        return op(*args)
+
+    monkeypatch.setattr(routing, "route_op", counted)
+    return calls
+
+
+def test_route_on_the_cpu_goes_through_the_op(monkeypatch):
+    calls = _counting_route_op(monkeypatch)
+    moe_ops.route(torch.randn(3, 8), 2)
+    assert len(calls) == 1
+
+
+@pytest.mark.gpu
+def test_eager_route_on_cuda_skips_the_dispatcher_unless_autograd_needs_the_op(monkeypatch):
+    """Eager CUDA routing without autograd calls the op's CUDA impl directly (the same outputs as the
+    op); with logits that require grad in grad mode it goes through the op, whose backward raises."""
+    _hopper()
+    calls = _counting_route_op(monkeypatch)
+    logits = torch.randn(33, 64, device="cuda", dtype=torch.bfloat16)
+    kw = dict(scoring="sigmoid", renormalize=True, num_expert_group=8, topk_group=4,
+              e_score_correction_bias=torch.randn(64, device="cuda"), routed_scaling_factor=2.5)  # fmt: skip
+    with torch.no_grad():
+        weights, ids = moe_ops.route(logits, 6, **kw)
+    assert calls == []
+    op_weights, op_ids = torch.ops.moe_ops.route(logits, 6, "sigmoid", True, 8, 4, kw["e_score_correction_bias"], 2.5)
+    assert torch.equal(ids, op_ids) and torch.equal(weights, op_weights)
+    logits.requires_grad_(True)
+    weights, _ = moe_ops.route(logits, 6, **kw)
+    assert len(calls) == 1 and weights.requires_grad
+    with pytest.raises(RuntimeError, match="no backward"):
+        weights.sum().backward()
