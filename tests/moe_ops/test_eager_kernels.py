@@ -33,7 +33,8 @@ def _weights(dtype=torch.bfloat16, hidden=H, inter=I, device="cpu", seed=0):
 
 def _routing(m, device="cpu", seed=1):
     g = generator(seed)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(m)]).to(torch.int32)
+    rows = [torch.randperm(E, generator=g)[:K] for _ in range(m)]
+    ids = (torch.stack(rows) if rows else torch.empty(0, K, dtype=torch.int64)).to(torch.int32)
     weights = torch.rand(m, K, generator=g)
     return weights.to(device), ids.to(device)
 
@@ -302,3 +303,15 @@ def test_eager_route_on_cuda_skips_the_dispatcher_unless_autograd_needs_the_op(m
     assert len(calls) == 1 and weights.requires_grad
     with pytest.raises(RuntimeError, match="no backward"):
         weights.sum().backward()
+
+
+@pytest.mark.gpu
+def test_eager_call_with_no_tokens():
+    """M = 0 through the kernel path: an empty [0, H] output in x's dtype, and no fallback."""
+    _hopper()
+    x, w13, w2, tw, ids, kw = _case("silu", 0)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = moe_ops.fused_experts(x, w13, w2, tw, ids, **kw)
+    assert out.shape == (0, H) and out.dtype == torch.bfloat16 and out.device == x.device
+    assert not [w for w in caught if "runs the reference" in str(w.message)]
