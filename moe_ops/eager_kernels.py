@@ -58,6 +58,12 @@ def gate_layout(kind: str, interleaved: bool) -> str:
     return "interleaved" if interleaved else "concat"
 
 
+def needs_grad(*tensors) -> bool:
+    """Whether autograd records a call on these tensors (None entries skipped): grad mode and one of
+    them requires grad. Such a call needs the ops, which carry the backward that raises."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 GRAD = (
     "an input requires grad: the kernels have no backward, the ops' backward raises (forward_only.py); "
     "run under torch.no_grad() or torch.inference_mode() for the kernels"
@@ -67,7 +73,7 @@ GRAD = (
 def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_bias, w2_bias) -> tuple[object, str | None]:
     """(interface, None) when the kernels serve this call (its arguments checked by fused_experts
     already), else (interface or None, the reason)."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w13, w2, topk_weights, w13_bias, w2_bias)):
+    if needs_grad(x, w13, w2, topk_weights, w13_bias, w2_bias):
         return None, GRAD
     interface, why = _interface()
     if interface is None:

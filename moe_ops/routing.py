@@ -232,8 +232,7 @@ def route(
         raise ValueError(f"num_expert_group: got 0; allowed: a divisor of E={router_logits.shape[-1]}, or None for no grouping")
     args = (router_logits, top_k, scoring, renormalize, num_expert_group or 0, topk_group or 0, e_score_correction_bias)
     check_route_args(*args, routed_scaling_factor)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (router_logits, e_score_correction_bias))
-    if eager_kernels.applies(router_logits) and not needs_grad:
+    if eager_kernels.applies(router_logits) and not eager_kernels.needs_grad(router_logits, e_score_correction_bias):
         # An eager CUDA call that autograd does not need: the op's CUDA impl without the dispatcher, which
         # cost ~100 µs of host time per call (bench/NOTES.md v41 item 3). The same outputs.
         return _route_cuda(*args, float(routed_scaling_factor))
