@@ -7,8 +7,8 @@ eager call whose recipe the kernels serve runs them directly, as the lowering's 
 routing plan, then gate_up (gather + GEMM1 + activation) and down_reduce (GEMM2 + the router-weighted
 token sum), four launches, the same outputs bit for bit as the compiled layer's (bench/NOTES.md v41
 has the times). The op chain still runs where it must:
-- under torch.compile and torch.export (the compiler needs the chain; is_compiling() says so), on
-  tensors without values (fake, meta) and off CUDA;
+- under torch.compile, torch.export and torch.jit.trace (a tracer records the chain's ops), on tensors
+  without values (fake, meta) and off CUDA;
 - where the kernels cannot serve the call: in grad mode with an input that requires grad (the chain's
   ops carry the backward that raises, forward_only.py; the kernels' output would have no grad_fn at
   all), a quantized scheme, another GPU than sm_90, column-major weights, ... Such a CUDA call warns
@@ -44,10 +44,13 @@ def _interface():
 
 
 def applies(t: torch.Tensor) -> bool:
-    """Whether a call on t may leave the op chain for the kernels: t is a real CUDA tensor and neither
-    torch.compile nor torch.export traces the call (see the module docstring). routing.route asks it
-    too, to call its op's CUDA impl without the dispatcher."""
-    return not torch.compiler.is_compiling() and t.device.type == "cuda" and _checks.has_values(t)
+    """Whether a call on t may leave the op chain for the kernels: t is a real CUDA tensor and no tracer
+    records the call (torch.compile, torch.export, torch.jit.trace: each records ops, and would miss
+    the kernels' launches). routing.route asks it too, to call its op's CUDA impl without the
+    dispatcher."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return t.device.type == "cuda" and _checks.has_values(t)
 
 
 def gate_layout(kind: str, interleaved: bool) -> str:

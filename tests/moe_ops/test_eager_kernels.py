@@ -315,3 +315,19 @@ def test_eager_call_with_no_tokens():
         out = moe_ops.fused_experts(x, w13, w2, tw, ids, **kw)
     assert out.shape == (0, H) and out.dtype == torch.bfloat16 and out.device == x.device
     assert not [w for w in caught if "runs the reference" in str(w.message)]
+
+
+@pytest.mark.gpu
+def test_jit_trace_records_the_op_chain():
+    """torch.jit.trace records ops: under it fused_experts keeps the chain (the kernels' launches would
+    be missing from the trace), so the traced function replays new inputs correctly."""
+    _hopper()
+    x, w13, w2, tw, ids, kw = _case("silu", 8)
+    f = lambda x_, tw_, ids_: moe_ops.fused_experts(x_, w13, w2, tw_, ids_)  # noqa: E731
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's own warnings (python values in the trace)
+        traced = torch.jit.trace(f, (x, tw, ids), check_trace=False)
+    x2, (tw2, ids2) = torch.randn_like(x), _routing(8, "cuda", 9)
+    with torch.no_grad():
+        out = traced(x2, tw2, ids2)
+    assert relative_error(out, _float64(x2, w13, w2, tw2, ids2, {})) <= tolerance(torch.bfloat16)
