@@ -1,5 +1,6 @@
 """python -m moe_ops: route and run a small Qwen3-MoE-shaped layer (random weights) eagerly and under
-torch.compile(fullgraph=True, dynamic=True) with the lowering installed, check both against the float64
+torch.compile(fullgraph=True, dynamic=True) with the lowering installed, on CUDA also the compiled layer
+captured in a CUDA graph and replayed (how a served model runs it), check each against the float64
 reference, print a table, then what the lowering fused and which backend runs it (on a Hopper GPU the
 CuTe DSL kernels; elsewhere the fused ops' reference). Runs on the GPU when there is one (bf16), else
 on the CPU (float32)."""
@@ -30,6 +31,36 @@ def _time(fn, x, repeats: int) -> float:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def _graphed(fn, x: torch.Tensor):
+    """fn(x) captured in a CUDA graph: a callable that replays it for this x (its captured input) and
+    returns the graph's output. Warmed up on a side stream first, as capture requires."""
+    side = torch.cuda.Stream(x.device)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side):
+        fn(x)
+    torch.cuda.current_stream(x.device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(x)
+
+    def replay(given: torch.Tensor) -> torch.Tensor:
+        assert given is x, "the graph replays the input it captured"
+        graph.replay()
+        return out
+
+    return replay
+
+
+def _modes(layer, compiled, x: torch.Tensor):
+    """(mode, callable) pairs the demo runs on x; the graph row only on CUDA with tokens to route (an
+    empty call launches nothing to capture)."""
+    modes = [("eager", layer), ("compiled", compiled)]
+    if x.is_cuda and x.shape[0]:
+        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+            modes.append(("compiled + CUDA graph", _graphed(compiled, x)))
+    return modes
 
 
 def main(argv=None) -> int:
@@ -65,7 +96,7 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 tw, ti = layer.routing_for(x)
                 ref = moe_float64(x, w13, w2, tw, ti, intermediate_dtype=dtype if dtype != torch.float32 else None)
-                for mode, fn in (("eager", layer), ("compiled", compiled)):
+                for mode, fn in _modes(layer, compiled, x):
                     with torch.fx.experimental._config.patch(backed_size_oblivious=True):
                         out = fn(x)
                         ms = _time(fn, x, args.repeats)

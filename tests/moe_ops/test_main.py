@@ -64,3 +64,19 @@ def test_the_demo_passes_on_the_cpu_and_fails_when_its_check_does(monkeypatch, c
     monkeypatch.setattr(demo, "tolerance", real_tolerance)
     monkeypatch.setattr(demo, "relative_error", lambda out, ref: float("nan"))
     assert main(["--device", "cpu", "--tokens", "3", "--repeats", "1"]) == 1
+
+
+@pytest.mark.gpu
+def test_the_demo_on_a_gpu_replays_the_compiled_layer_in_a_cuda_graph(capsys):
+    """On CUDA each token count > 0 gets a third row, the compiled layer captured in a CUDA graph and
+    replayed: within bf16's tolerance and with the compiled row's errors (the graph replays the same
+    kernels on the same input); no graph row for 0 tokens, which launch nothing."""
+    assert main(["--tokens", "0", "1", "37", "--repeats", "2"]) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 7 and cells[1].isdigit():
+            rows[(cells[0], int(cells[1]))] = cells[4:6]
+    for m in (1, 37):
+        assert rows[("compiled + CUDA graph", m)] == rows[("compiled", m)], rows
+    assert ("compiled", 0) in rows and ("compiled + CUDA graph", 0) not in rows
