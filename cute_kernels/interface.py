@@ -22,10 +22,9 @@ from . import compile as cc  # noqa: F401  (sets the target architecture first)
 import cutlass  # noqa: E402
 from cutlass import Int32  # noqa: E402
 
-from .moe_gemm import HINT_MAX_PAIRS, MAX_EXPERTS, Epilogue, MoeGemmSm90  # noqa: E402
+from .moe_gemm import GATED, HINT_MAX_PAIRS, MAX_EXPERTS, Epilogue, MoeGemmSm90  # noqa: E402
 from .token_sum import TokenSumSm90  # noqa: E402
 
-GATED = ("silu", "gelu", "gelu_tanh", "swigluoai")
 ACTIVATIONS = (*GATED, "relu2")
 _CUTLASS_DTYPE = {
     torch.bfloat16: cutlass.BFloat16,

@@ -99,10 +99,14 @@ HINT_MAX_PAIRS = 32
 XCHG_ELEMS = 64 * 16 // 128
 
 
+# The gated activations the epilogue computes (_gated); relu2 is the one without a gate.
+GATED = ("silu", "gelu", "gelu_tanh", "swigluoai", "silu_clamped")
+
+
 @dataclass(frozen=True)
 class Epilogue:
     """What the epilogue does to each accumulator row before storing it.
-    activation: "none" (store), or a gated kind (silu, gelu, gelu_tanh, swigluoai), or relu2.
+    activation: "none" (store), or a GATED kind, or relu2.
     gate_layout: "concat" ([gate; up] as two B parts), "interleaved" (pairs of columns) or "none"."""
 
     activation: str = "none"
@@ -112,7 +116,7 @@ class Epilogue:
     has_bias: bool = False
 
     def __post_init__(self):
-        gated = self.activation in ("silu", "gelu", "gelu_tanh", "swigluoai")
+        gated = self.activation in GATED
         if gated != (self.gate_layout in ("concat", "interleaved")):
             raise ValueError(f"Epilogue: activation {self.activation!r} does not go with gate_layout {self.gate_layout!r}")
 
@@ -132,9 +136,12 @@ def _gated(kind: str, g, u, alpha: float, limit: float):
         return 0.5 * g * (1.0 + cute.math.erf(g * 0.7071067811865476)) * u
     if const_expr(kind == "gelu_tanh"):
         return 0.5 * g * (1.0 + cute.math.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g * g * g))) * u
-    # swigluoai: gate clamped from above, up on both sides, plus one.
+    # swigluoai and silu_clamped: gate clamped from above, up on both sides; swigluoai then scales the
+    # sigmoid's argument by alpha and adds one to up.
     gc = cute.arch.fmin(g, Float32(limit))
     uc = cute.arch.fmax(cute.arch.fmin(u, Float32(limit)), Float32(-limit))
+    if const_expr(kind == "silu_clamped"):
+        return gc * _sigmoid(gc) * uc
     return gc * _sigmoid(gc * alpha) * (uc + 1.0)
 
 

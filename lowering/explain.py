@@ -10,6 +10,7 @@ import torch
 from torch.fx import Graph, Node
 
 from . import backend
+from moe_ops.activation import PARAMETERS
 from moe_ops.quant.scheme import GroupShape
 
 from .chains import op_args
@@ -161,7 +162,8 @@ def _weight_text(args: dict) -> str:
 def _recipe_text(gu: dict, dr: dict) -> str:
     """The layer's recipe from both fused ops' arguments: GEMM2's weights and bias are down_reduce's (a
     hand-written chain may quantize or bias its two GEMMs differently)."""
-    act = gu["activation"] + (f"(alpha={gu['alpha']}, limit={gu['limit']})" if gu["activation"] == "swigluoai" else "")
+    params = PARAMETERS.get(gu["activation"], ())
+    act = gu["activation"] + (f"({', '.join(f'{p}={gu[p]}' for p in params)})" if params else "")
     act += ", interleaved" if gu["interleaved"] else ""
     quant_a = _quant_text(gu["a_dtype"], gu["a_group"])
     quant_w = _weight_text(gu)

@@ -22,20 +22,29 @@ def _swigluoai(gate, up, alpha, limit):
     return gate * torch.sigmoid(alpha * gate) * (up + 1)
 
 
+def _silu_clamped(gate, up, alpha, limit):
+    # DeepSeek-V4, GLM-5-Next, Hunyuan-V4: gpt-oss's clamps on plain SiLU-and-mul (no alpha, no + 1).
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
 # kind -> (gated, f(gate_or_x, up, alpha, limit))
 ACTIVATIONS = {
     "silu": (True, lambda g, u, alpha, limit: F.silu(g) * u),
     "gelu": (True, lambda g, u, alpha, limit: F.gelu(g) * u),
     "gelu_tanh": (True, lambda g, u, alpha, limit: F.gelu(g, approximate="tanh") * u),
     "swigluoai": (True, _swigluoai),
+    "silu_clamped": (True, _silu_clamped),
     "relu2": (False, lambda x, u, alpha, limit: F.relu(x).square()),
 }
+# The parameters each kind reads (the others ignore alpha and limit).
+PARAMETERS = {"swigluoai": ("alpha", "limit"), "silu_clamped": ("limit",)}
 
 
 @dataclass(frozen=True)
 class Activation:
     """An expert activation. kind: a key of ACTIVATIONS; alpha and limit parameterise swigluoai
-    (gpt-oss uses 1.702 and 7.0); interleaved: gate and up alternate along GEMM1's output."""
+    (gpt-oss uses 1.702 and 7.0), limit silu_clamped (PARAMETERS); interleaved: gate and up
+    alternate along GEMM1's output."""
 
     kind: str = "silu"
     alpha: float = 1.702

@@ -53,9 +53,11 @@ def apply_activation(h: torch.Tensor, kind: str, alpha: float = 1.702, limit: fl
     if kind == "relu2":
         return torch.clamp(h, min=0) ** 2
     gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=1)
-    if kind == "swigluoai":
+    if kind in ("swigluoai", "silu_clamped"):
         gate = torch.clamp(gate, max=limit)
         up = torch.clamp(up, -limit, limit)
+        if kind == "silu_clamped":
+            return _silu(gate) * up
         return gate / (1 + torch.exp(-alpha * gate)) * (up + 1)
     return {"silu": _silu, "gelu": _gelu, "gelu_tanh": _gelu_tanh}[kind](gate) * up
 

@@ -41,16 +41,18 @@ def run_layer(interface, x, w13, w2, tw, plan, activation="silu", alpha=1.702, l
 
 
 def check(interface, m, e, k, h, i, skew=0.0, activation="silu", layout="concat", bias=False, w=None, tiles=(None, None), early=True,
-          dtype=torch.bfloat16, bias_dtype=None):  # fmt: skip
+          dtype=torch.bfloat16, bias_dtype=None, alpha=1.702, limit=7.0):  # fmt: skip
     """The layer through the kernels against the reference ops, in `dtype` (biases in bias_dtype, else
-    dtype); returns the output's relative error."""
+    dtype), with the activation's alpha and limit; returns the output's relative error."""
     w13, w2 = w if w is not None else weights(e, h, i, dtype=dtype, gated=activation != "relu2")
     x = torch.randn(m, h, device="cuda", dtype=dtype)
     tw, ti = routing(m, e, k, skew=skew)
     b13 = torch.randn(e, w13.shape[1], device="cuda", dtype=bias_dtype or dtype) / 10 if bias else None
     b2 = torch.randn(e, h, device="cuda", dtype=bias_dtype or dtype) / 10 if bias else None
-    ref_inter, ref_out, plan = reference(x, w13, w2, tw, ti, activation, interleaved=layout == "interleaved", b13=b13, b2=b2)
-    inter, out = run_layer(interface, x, w13, w2, tw, plan, activation, layout=layout, b13=b13, b2=b2, tiles=tiles, early=early)
+    ref_inter, ref_out, plan = reference(x, w13, w2, tw, ti, activation, alpha, limit, layout == "interleaved", b13=b13, b2=b2)
+    inter, out = run_layer(
+        interface, x, w13, w2, tw, plan, activation, alpha, limit, layout=layout, b13=b13, b2=b2, tiles=tiles, early=early
+    )
     valid = int(plan[0][-1])
     assert not inter[:valid].isnan().any(), "gate_up left rows unwritten"
     assert not out.isnan().any(), "down_reduce left elements unwritten"
@@ -104,16 +106,40 @@ def test_epilogues(interface, activation, layout, bias):
 
 
 @pytest.mark.parametrize(
-    "activation,layout,bias", [("silu", "concat", True), ("swigluoai", "interleaved", True), ("relu2", "none", False)]
-)
-def test_every_tile_shape(interface, activation, layout, bias):
+    "activation,layout,bias",
+    [("silu_clamped", "concat", True), ("silu_clamped", "interleaved", False), ("swigluoai", "interleaved", True),
+     ("swigluoai", "concat", False)],
+)  # fmt: skip
+def test_clamped_epilogues_where_the_clamps_bind(interface, activation, layout, bias):
+    """The two clamped kinds with limit 0.5 and alpha 1.2: the gate and up sums (~N(0, 1) here) are
+    mostly clamped, which the default limit of 7 never does, so each kind's clamps and (swigluoai's)
+    alpha and + 1 are what the comparison checks; the reference itself moves by far more than TOL
+    between the two limits."""
+    check(interface, 300, 16, 4, 576, 320, activation=activation, layout=layout, bias=bias, alpha=1.2, limit=0.5)
+    w13, w2 = weights(8, 256, 128)
+    x = torch.randn(40, 256, device="cuda", dtype=torch.bfloat16)
+    tw, ti = routing(40, 8, 2)
+    interleaved = layout == "interleaved"
+    clamped = reference(x, w13, w2, tw, ti, activation, 1.2, 0.5, interleaved)[1]
+    assert rel_err(clamped, reference(x, w13, w2, tw, ti, activation, 1.2, 7.0, interleaved)[1]) > 10 * TOL
+
+
+@pytest.mark.parametrize(
+    "activation,layout,bias,limit",
+    [("silu", "concat", True, 7.0), ("swigluoai", "interleaved", True, 7.0), ("relu2", "none", False, 7.0),
+     ("silu_clamped", "concat", False, 0.5)],
+)  # fmt: skip
+def test_every_tile_shape(interface, activation, layout, bias, limit):
     """Every (tile_m, tile_n) choose_tiles can pick, for GEMM1 and GEMM2, with ragged experts (some
-    above and some below a 64-row tile); GEMM2 with and without its early weight loads."""
+    above and some below a 64-row tile); GEMM2 with and without its early weight loads. silu_clamped
+    with a limit that binds: each tile shape's epilogue (swapped, split-K, 64- and 128-row) computes
+    the activation in its own code."""
     gate, down = interface.tile_shapes(layout), interface.tile_shapes("none")
     for j in range(max(len(gate), len(down))):
         tiles = (gate[j % len(gate)], down[j % len(down)])
         for early in (True, False):
-            check(interface, 200, 16, 3, 576, 320, activation=activation, layout=layout, bias=bias, tiles=tiles, early=early)
+            check(interface, 200, 16, 3, 576, 320, activation=activation, layout=layout, bias=bias, tiles=tiles, early=early,
+                  limit=limit)  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 import lowering
+import moe_ops
+from moe_ops import Activation
 from moe_ops import quant as Q
 from moe_ops.activation import activation as activation_op
 from moe_ops.gemm import grouped_gemm
@@ -216,3 +218,21 @@ def test_recording_reports_what_compiles_inside_the_block(bf16_layer, tmp_path, 
     expected = lowering.explain(model, *args)
     assert fused.layers == expected.layers and fused.graph == expected.graph
     assert len(fused.graphs) == 1 and fused.code_lines == []
+
+
+@pytest.mark.parametrize(
+    "activation, text",
+    [
+        (Activation("silu"), "act=silu;"),
+        (Activation("swigluoai", alpha=1.25, limit=3.5, interleaved=True), "act=swigluoai(alpha=1.25, limit=3.5), interleaved;"),
+        (Activation("silu_clamped", limit=0.5), "act=silu_clamped(limit=0.5);"),
+    ],
+    ids=["silu", "swigluoai", "silu_clamped"],
+)  # fmt: skip
+def test_explain_names_the_parameters_each_activation_reads(activation, text):
+    """The recipe shows the activation's alpha and limit where the kind reads them (moe_ops.activation.
+    PARAMETERS) and neither where it does not: silu_clamped's limit, without swigluoai's alpha."""
+    torch.manual_seed(0)
+    layer = moe_ops.FusedMoE(4, 2, 128, 64, activation=activation, dtype=torch.float32)
+    (row,) = lowering.explain(layer, torch.randn(5, 128)).layers
+    assert row.recipe.startswith(text + " a-quant=none"), row.recipe

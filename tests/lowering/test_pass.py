@@ -986,6 +986,8 @@ RECIPES = {
     # swigluoai with its own alpha and limit (a limit that clips) and halves, not interleaved: gate_up
     # passes the recipe's parameters on, which gpt-oss's defaults alone could not show.
     "swigluoai_alpha_limit": (torch.float32, Q.UNQUANTIZED, moe_ops.Activation("swigluoai", alpha=1.2, limit=1.5), True, False),
+    # DeepSeek-V4's clamps on plain SwiGLU: gate_up passes the limit on (and the pass's recipe names it).
+    "silu_clamped": (torch.float32, Q.UNQUANTIZED, moe_ops.Activation("silu_clamped", limit=0.5), False, False),
     # Ungated: w13 is [E, I, H] and gate_up's output [P, I], not half of GEMM1's width. With
     # gate_up's fake impl halving it for relu2 too, every other test passed and every relu2 layer
     # failed to compile under the lowering.

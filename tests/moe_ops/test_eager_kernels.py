@@ -139,6 +139,8 @@ def _hopper():
 CASES = {
     "silu": dict(act=Activation()),
     "swigluoai_interleaved_bias": dict(act=Activation("swigluoai", interleaved=True), bias=True),
+    # DeepSeek-V4's clamps, with a limit that binds on most gate and up sums here (~N(0, 1))
+    "silu_clamped": dict(act=Activation("silu_clamped", limit=0.5)),
     "relu2": dict(act=Activation("relu2")),
     "expert_map": dict(act=Activation(), expert_map=True),
 }

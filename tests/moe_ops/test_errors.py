@@ -220,7 +220,7 @@ BAD_FUSED = [
      r"w2_bias: expected shape \(4, 32\)"),
     # activation, config type, apply_router_weight_on_input
     ("activation_unknown", _with(activation="swish"), ValueError,
-     r"activation: got 'swish'; allowed: 'silu', 'gelu', 'gelu_tanh', 'swigluoai', 'relu2'"),
+     r"activation: got 'swish'; allowed: 'silu', 'gelu', 'gelu_tanh', 'swigluoai', 'silu_clamped', 'relu2'"),
     ("activation_not_str", _with(activation=3), TypeError, r"activation: expected a str or moe_ops.Activation, got int"),
     ("relu2_with_2I_rows", _with(activation="relu2"), ValueError, r"w13: activation 'relu2' needs 16 rows per expert \(I with I=16"),
     ("quant_config_is_scheme", _with(quant_config=quant.UNQUANTIZED), TypeError,
@@ -733,7 +733,7 @@ def test_nan_logits_do_not_crash_routing(kwargs):
     [
         (lambda: moe_ops.Activation("relu2", interleaved=True), r"activation: 'relu2' has no gate, so interleaved=True means nothing"),
         (lambda: moe_ops.Activation("swigluoai", limit=0.0), r"activation.limit: got 0.0; allowed: > 0"),
-        (lambda: moe_ops.Activation("SiLU"), r"activation: got 'SiLU'; allowed: 'silu', 'gelu', 'gelu_tanh', 'swigluoai', 'relu2'"),
+        (lambda: moe_ops.Activation("SiLU"), r"activation: got 'SiLU'; allowed: 'silu', 'gelu', 'gelu_tanh', 'swigluoai', 'silu_clamped', 'relu2'"),
     ],
     ids=["relu2_interleaved", "limit_0", "unknown_kind"],
 )
@@ -793,7 +793,7 @@ def test_expert_intermediates_rejects(no_ops, mutate, exc, match):
 _IDS = torch.zeros(3, 2, dtype=torch.int32)
 BAD_OPS = [
     ("activation_unknown_kind", lambda: (torch.ops.moe_ops.activation, (torch.randn(3, 8), "swish", 1.702, 7.0, False)),
-     ValueError, r"kind: got 'swish'; allowed: 'silu', 'gelu', 'gelu_tanh', 'swigluoai', 'relu2'"),
+     ValueError, r"kind: got 'swish'; allowed: 'silu', 'gelu', 'gelu_tanh', 'swigluoai', 'silu_clamped', 'relu2'"),
     ("activation_odd_interleaved", lambda: (torch.ops.moe_ops.activation, (torch.randn(3, 7), "swigluoai", 1.702, 7.0, True)),
      ValueError, r"x: 'swigluoai' splits each row into gate and up halves; the width must be even, got shape \(3, 7\)"),
     ("activation_odd", lambda: (torch.ops.moe_ops.activation, (torch.randn(3, 7), "silu", 1.702, 7.0, False)),

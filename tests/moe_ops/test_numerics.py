@@ -291,6 +291,8 @@ ACTIVATION_CASES = {
     "swigluoai_interleaved": Activation("swigluoai", interleaved=True),
     "swigluoai_alpha_limit": Activation("swigluoai", alpha=1.2, limit=1.5, interleaved=True),
     "silu_interleaved": Activation("silu", interleaved=True),
+    "silu_clamped_limit": Activation("silu_clamped", limit=1.5),
+    "silu_clamped_interleaved": Activation("silu_clamped", limit=1.5, interleaved=True),
     "relu2": Activation("relu2"),
 }
 
@@ -300,7 +302,7 @@ ACTIVATION_CASES = {
 def test_activation_vs_float64(case, dtype):
     act = ACTIVATION_CASES[case]
     num_experts, hidden, inter, m, top_k = 6, 64, 48, 37, 2
-    swiglu = act.kind == "swigluoai"
+    swiglu = act.kind in ("swigluoai", "silu_clamped")
     x, w13, w2, tw, ids = random_layer(m, hidden, inter, num_experts, top_k, act.gated, dtype, w_scale=3.0 if swiglu else 1.0)
     b13 = b2 = None
     if swiglu:  # gpt-oss has biases; pre-activations exceed the limit so the clamps are exercised

@@ -347,13 +347,20 @@ def _swigluoai(g, u, alpha, limit):
     return g / (1 + torch.exp(-alpha * g)) * (u + 1)
 
 
+def _silu_clamped(g, u, alpha, limit):
+    g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return g / (1 + torch.exp(-g)) * u
+
+
 # float64, from each kind's definition: SwiGLU, exact and tanh GELU gates, gpt-oss's clamped SwiGLU (gate
-# clamped above at limit, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)), relu^2.
+# clamped above at limit, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)), the same
+# clamps on plain SwiGLU (DeepSeek-V4: no alpha, no + 1), relu^2.
 EXPECTED_ACTIVATION = {
     "silu": lambda g, u, alpha, limit: g / (1 + torch.exp(-g)) * u,
     "gelu": lambda g, u, alpha, limit: 0.5 * g * (1 + torch.erf(g / math.sqrt(2))) * u,
     "gelu_tanh": lambda g, u, alpha, limit: 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * u,
     "swigluoai": _swigluoai,
+    "silu_clamped": _silu_clamped,
     "relu2": lambda g, u, alpha, limit: g.clamp(min=0) ** 2,
 }
 
@@ -366,7 +373,7 @@ def test_activation_kinds_covered():
     assert covered == wanted
 
 
-ACT_CASES = [(kind, inter) for kind in ("silu", "gelu", "gelu_tanh", "swigluoai") for inter in (False, True)]
+ACT_CASES = [(kind, inter) for kind in ("silu", "gelu", "gelu_tanh", "swigluoai", "silu_clamped") for inter in (False, True)]
 ACT_CASES.append(("relu2", False))
 
 
@@ -382,7 +389,7 @@ def _gate_up64(x: torch.Tensor, kind: str, interleaved: bool):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation(kind, interleaved, dtype):
     """Gated kinds split [R, 2I] into gate/up halves ([gate | up] or alternating columns) and return [R, I];
-    relu2 maps [R, I] to [R, I]; random alpha and limit (only swigluoai reads them) clamp some values."""
+    relu2 maps [R, I] to [R, I]; random alpha and limit (only the clamped kinds read them) clamp some values."""
     rows, width = int(torch.randint(1, 9, ())), 32
     alpha, limit = 0.5 + 2 * torch.rand(()).item(), 1 + 3 * torch.rand(()).item()
     x = (torch.randn(rows, width) * 3).to(dtype)
