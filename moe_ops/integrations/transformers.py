@@ -2,13 +2,13 @@
 
 After `import moe_ops`, `from_pretrained(..., experts_implementation="moe_ops")` or
 `config._experts_implementation = "moe_ops"` runs every `@use_experts_implementation` experts module
-through moe_ops.fused_experts; one whose gating moe_ops cannot express (a custom _apply_gate other than
-gpt-oss's, a post-expert norm, an unknown act_fn) raises NotImplementedError saying which. The experts
+through moe_ops.fused_experts; one whose gating moe_ops cannot express (a custom _apply_gate not in
+CUSTOM_GATES, a post-expert norm, an unknown act_fn) raises NotImplementedError saying which. The experts
 class's flags are honoured: concatenated or interleaved
 gate/up (is_concatenated), transposed weights (is_transposed: read as column-major views, no copy;
 row_major_experts re-stores them in place for the CuTe DSL kernels, which read row-major experts),
 biases (has_bias), has_gate, and its act_fn (an activation module, or torch.nn.functional.silu / gelu
-itself as LFM2-MoE holds it; or gpt-oss's clamped SwiGLU). Expert-parallel sentinel ids
+itself as LFM2-MoE holds it; or a CUSTOM_GATES class's own gating). Expert-parallel sentinel ids
 (>= num_experts) are dropped. Importing moe_ops does not import transformers: the implementation is
 registered when transformers.integrations.moe is first imported (or at once if it already was).
 """
@@ -37,9 +37,39 @@ _ACT_FN = {
     "NewGELUActivation": "gelu_tanh",
     "GELUPytorchTanh": "gelu_tanh",
     "ReLUSquaredActivation": "relu2",
+    "FastGELUActivation": "gelu_tanh",  # tanh-GELU's formula, written with x * x
 }
 # act_fn given as a plain function (LFM2-MoE's experts hold F.silu itself) -> our kind, matched by identity.
 _ACT_FUNCTIONS = ((torch.nn.functional.silu, "silu"), (torch.nn.functional.gelu, "gelu"))
+
+
+# Experts classes whose own _apply_gate moe_ops computes, by class name: (kind, the attribute holding
+# alpha, the one holding limit), read from the module. Kind None: the default gate with act_fn, which
+# the class only computes in float32, as moe_ops computes every activation. Named, not guessed from
+# attributes: a gate with gpt-oss's attribute names and other arithmetic would be silently wrong. Each
+# entry's _apply_gate was read in transformers 5.24 (models/<type>/modeling_<type>.py).
+CUSTOM_GATES = {
+    # gate.clamp(max=limit) * sigmoid(alpha * that) * (up.clamp(-limit, limit) + 1)
+    "GptOssExperts": ("swigluoai", "alpha", "limit"),
+    "OpenAIPrivacyFilterExperts": ("swigluoai", "alpha", "limit"),
+    "MiniMaxM3VLExperts": ("swigluoai", "swiglu_alpha", "swiglu_limit"),
+    # silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    "DeepseekV4Experts": ("silu_clamped", None, "limit"),
+    "Glm5NextTextExperts": ("silu_clamped", None, "swiglu_limit"),
+    "HYV4Experts": ("silu_clamped", None, "swiglu_limit"),
+    "HYV4VLExperts": ("silu_clamped", None, "swiglu_limit"),
+    # (act_fn(gate.float()) * up.float()).to(gate.dtype)
+    "BeamExperts": (None, None, None),
+}
+
+
+def _custom_gate(experts: torch.nn.Module, apply_gate) -> tuple | None:
+    """The CUSTOM_GATES entry of the class that defines the _apply_gate this module runs (a subclass
+    overriding it again is not that entry's arithmetic), or None."""
+    for klass in type(experts).__mro__:
+        if "_apply_gate" in vars(klass):
+            return CUSTOM_GATES.get(klass.__name__) if vars(klass)["_apply_gate"] is apply_gate else None
+    return None
 
 
 def experts_activation(experts: torch.nn.Module) -> Activation:
@@ -51,9 +81,16 @@ def experts_activation(experts: torch.nn.Module) -> Activation:
     apply_gate = getattr(type(experts), "_apply_gate", None)
     default_gate = getattr(sys.modules.get(_MODULE), "_default_apply_gate", None)
     if experts.has_gate and apply_gate is not None and apply_gate is not default_gate:
-        if hasattr(experts, "alpha") and hasattr(experts, "limit"):  # gpt-oss's clamped SwiGLU
-            return Activation("swigluoai", float(experts.alpha), float(experts.limit), interleaved=interleaved)
-        raise NotImplementedError(f"{cls}: its custom _apply_gate has no moe_ops equivalent")
+        entry = _custom_gate(experts, apply_gate)
+        if entry is None:
+            raise NotImplementedError(
+                f"{cls}: its custom _apply_gate has no moe_ops equivalent (moe_ops computes those of "
+                f"{', '.join(CUSTOM_GATES)})"
+            )
+        kind, alpha, limit = entry
+        if kind is not None:
+            params = {"alpha": float(getattr(experts, alpha))} if alpha else {}
+            return Activation(kind, limit=float(getattr(experts, limit)), interleaved=interleaved, **params)
     act_fn = getattr(experts, "act_fn", None)
     act_name = type(act_fn).__name__
     kind = _ACT_FN.get(act_name)

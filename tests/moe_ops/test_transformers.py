@@ -4,6 +4,7 @@ models, through every way of selecting it, compiled too; importing moe_ops does 
 transformers."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import subprocess
@@ -434,13 +435,15 @@ def test_experts_without_is_concatenated_read_as_concatenated(spy):
 
 @pytest.mark.parametrize(
     "act_fn",
-    [lambda: torch.nn.GELU(approximate="tanh"), lambda: transformers.activations.NewGELUActivation()],
-    ids=["nn_GELU_tanh", "NewGELUActivation"],
+    [lambda: torch.nn.GELU(approximate="tanh"), lambda: transformers.activations.NewGELUActivation(),
+     lambda: transformers.activations.FastGELUActivation()],
+    ids=["nn_GELU_tanh", "NewGELUActivation", "FastGELUActivation"],
 )
 def test_tanh_gelu_act_fns_map_to_gelu_tanh(act_fn, spy):
     """torch.nn.GELU(approximate="tanh") (class name GELU, told apart by its approximate attribute) and
-    transformers' NewGELUActivation (gelu_new: the tanh formula) are the tanh-approximated GELU: moe_ops
-    must run gelu_tanh, not exact (erf) gelu, matching the experts' eager forward. Catches dropping the
+    transformers' NewGELUActivation (gelu_new) and FastGELUActivation (gelu_fast), both the tanh formula,
+    are the tanh-approximated GELU: moe_ops must run gelu_tanh, not exact (erf) gelu, matching the
+    experts' eager forward. Catches dropping the
     approximate == "tanh" check and mapping NewGELUActivation to "gelu". The two GELUs differ by at most
     ~2e-4 relative (gate pre-activations ~N(0, 0.8^2), where they differ most), so the comparison uses the
     float32 tolerance itself (1e-5), not TOL, and checks on eager that exact GELU falls outside it."""
@@ -521,3 +524,92 @@ def test_router_weights_in_a_half_dtype_are_taken(weight_dtype, spy):
     assert len(spy) == 1
     assert eager.abs().max() > 0
     assert relative_error(ours, eager) <= TOL
+
+
+# CUSTOM_GATES' classes by model type, with the Activation each must map to for _custom_gate_experts'
+# alpha (1.3) and limit (0.8: with unit-variance weights and inputs the clamps bind on most elements).
+CUSTOM_GATE_CASES = {
+    "deepseek_v4": ("DeepseekV4Experts", moe_ops.Activation("silu_clamped", limit=0.8)),
+    "glm5_next": ("Glm5NextTextExperts", moe_ops.Activation("silu_clamped", limit=0.8)),
+    "hy_v4": ("HYV4Experts", moe_ops.Activation("silu_clamped", limit=0.8)),
+    "hy_v4_vl": ("HYV4VLExperts", moe_ops.Activation("silu_clamped", limit=0.8)),
+    "minimax_m3_vl": ("MiniMaxM3VLExperts", moe_ops.Activation("swigluoai", alpha=1.3, limit=0.8)),
+    "openai_privacy_filter": ("OpenAIPrivacyFilterExperts", moe_ops.Activation("swigluoai", alpha=1.3, limit=0.8)),
+    "gpt_oss": ("GptOssExperts", moe_ops.Activation("swigluoai", alpha=1.3, limit=0.8, interleaved=True)),
+    "beam": ("BeamExperts", moe_ops.Activation("silu")),
+}
+
+
+def _custom_gate_experts(model_type: str, cls: str, seed=0):
+    """One float32 experts module of that model type (4 experts, H 64, I 32), unit-variance weights."""
+    module = pytest.importorskip(f"transformers.models.{model_type}.modeling_{model_type}")
+    cfg = transformers.PretrainedConfig(
+        num_local_experts=4, num_experts=4, hidden_size=COMMON["hidden_size"], intermediate_size=32,
+        moe_intermediate_size=32, hidden_act="silu", swiglu_limit=0.8, swiglu_alpha=1.3,
+    )  # fmt: skip
+    experts = getattr(module, cls)(cfg)
+    g = generator(seed)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return experts
+
+
+def test_custom_gates_cover_the_table():
+    assert {cls for cls, _ in CUSTOM_GATE_CASES.values()} == set(INTEGRATION.CUSTOM_GATES)
+
+
+@pytest.mark.parametrize("model_type", list(CUSTOM_GATE_CASES))
+def test_custom_gates_match_their_eager_forward(model_type, spy):
+    """Each experts class of CUSTOM_GATES (transformers' _apply_gate of its own: gpt-oss's clamped SwiGLU
+    under other attribute names, DeepSeek-V4's clamps on plain SiLU, Beam's SiLU in float32) maps to
+    the Activation that computes it, with alpha and limit read from the module, and moe_ops' output
+    equals the class's own eager forward where the clamps bind. The same module with the other
+    clamped kind's arithmetic is far off, so the comparison tells them apart."""
+    cls, want = CUSTOM_GATE_CASES[model_type]
+    experts = _custom_gate_experts(model_type, cls)
+    assert INTEGRATION.experts_activation(experts) == want
+    inputs = _routing(21)
+    eager, ours = _eager_and_ours(experts, *inputs)
+    assert len(spy) == 1 and spy[0]["activation"] == want
+    assert eager.abs().max() > 0
+    assert relative_error(ours, eager) <= TOL
+    other = {"silu_clamped": "swigluoai", "swigluoai": "silu_clamped", "silu": "silu_clamped"}[want.kind]
+    wrong = moe_ops.fused_experts(
+        inputs[0], *_stacked(experts), inputs[2], inputs[1], activation=dataclasses.replace(want, kind=other),
+        w13_bias=getattr(experts, "gate_up_proj_bias", None), w2_bias=getattr(experts, "down_proj_bias", None),
+    )  # fmt: skip
+    assert relative_error(wrong, eager) > 1e-2
+
+
+def _stacked(experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13 [E, N, H], w2 [E, H, I]) as the integration reads an experts module's weights."""
+    w13, w2 = experts.gate_up_proj, experts.down_proj
+    return (w13.transpose(1, 2), w2.transpose(1, 2)) if experts.is_transposed else (w13, w2)
+
+
+def test_custom_gates_are_named_not_guessed():
+    """A class outside CUSTOM_GATES is refused even with gpt-oss's attribute names (alpha and limit: its
+    arithmetic may differ), and so is a subclass of a listed class that overrides _apply_gate again;
+    one that inherits the listed class's gate keeps its mapping."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    experts = _custom_gate_experts("gpt_oss", "GptOssExperts")
+
+    class Inherits(GptOssExperts):
+        pass
+
+    class Overrides(GptOssExperts):
+        def _apply_gate(self, gate_up):
+            return super()._apply_gate(gate_up) * 2
+
+    experts.__class__ = Inherits
+    assert INTEGRATION.experts_activation(experts).kind == "swigluoai"
+    experts.__class__ = Overrides
+    with pytest.raises(NotImplementedError, match=r"Overrides: its custom _apply_gate has no moe_ops equivalent \(moe_ops computes those of GptOssExperts, "):
+        INTEGRATION.experts_activation(experts)
+    unlisted = _mixtral_experts()
+    unlisted.__class__ = type("Unlisted", (type(unlisted),), {"_apply_gate": GptOssExperts._apply_gate})
+    unlisted.alpha, unlisted.limit = 1.702, 7.0
+    with pytest.raises(NotImplementedError, match=r"Unlisted: its custom _apply_gate has no moe_ops equivalent"):
+        INTEGRATION.experts_activation(unlisted)
