@@ -1,5 +1,5 @@
-"""Routing in one Triton kernel: the CUDA implementation of moe_ops::route, every method (softmax or
-sigmoid scores, with or without a correction bias, renormalized or not, scaled or not, grouped top-k or
+"""Routing in one Triton kernel: the CUDA implementation of moe_ops::route, every method (softmax,
+sigmoid or sqrt-softplus scores, with or without a correction bias, renormalized or not, scaled or not, grouped top-k or
 not) for up to MAX_POSITIONS positions (E, rounded up to a power of two per group and group count).
 
 Why: the reference is a dozen small tensor ops (two dozen with expert groups); inside a compiled graph
@@ -42,6 +42,22 @@ def _finite(x):
     x = tl.where(x == float("inf"), 3.4028234663852886e38, x)
     x = tl.where(x == float("-inf"), -3.4028234663852886e38, x)
     return tl.where(x != x, float("-inf"), x)
+
+
+@triton.jit
+def _sqrt_softplus(x):
+    """sqrt(torch.nn.functional.softplus(x)): x itself above 20, else log1p(exp(x)). log1p(y) as
+    y * log(1 + y) / ((1 + y) - 1), which keeps y's relative precision where 1 + y rounds (and is y
+    where 1 + y rounds to 1): log(1 + exp(x)) alone loses it below x = -15, where the weights of
+    renormalized low scores come from it. NaN stays NaN (ranked last, as in the reference), +inf +inf."""
+    y = tl.exp(tl.where(x > 20.0, 0.0, x))
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))
+    return tl.sqrt(tl.where(x > 20.0, x, log1p))
+
+
+# route()'s scoring -> the kernel's SCORE
+SCORES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
 
 @triton.jit
@@ -89,7 +105,7 @@ def _kept_groups(
 @triton.jit(do_not_specialize=["m", "num_groups", "group_size", "stride_m", "stride_e", "scale"])
 def _route_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, m, num_groups, group_size, stride_m, stride_e, scale,
-    TOP_K: tl.constexpr, K_P2: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+    TOP_K: tl.constexpr, K_P2: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr, G_P2: tl.constexpr,
     S_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -110,12 +126,14 @@ def _route_kernel(
     ok = row_ok[:, None] & col_ok[None, :]
     x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_m + cols[None, :] * stride_e, mask=ok, other=0.0)
     x = x.to(tl.float32)
-    if SOFTMAX:
+    if SCORE == 0:
         top = tl.max(tl.where(ok, x, float("-inf")), axis=1)
         e = tl.where(ok, tl.exp(x - top[:, None]), 0.0)
         scores = e / tl.sum(e, axis=1)[:, None]
-    else:
+    elif SCORE == 1:
         scores = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        scores = _sqrt_softplus(x)
     # A row with a NaN logit (or any row, with a NaN bias) has no defined routing: NaN weights.
     undefined = tl.max(tl.where(ok & (x != x), 1, 0), axis=1) > 0
     if HAS_BIAS:
@@ -123,7 +141,7 @@ def _route_kernel(
         selection = scores + bias[None, :]
         undefined = undefined | (tl.max(tl.where(col_ok & (bias != bias), 1, 0), axis=0) > 0)
     else:
-        # Both scorings increase with the logit: the logits rank as the exact scores do (routing.py).
+        # Every scoring increases with the logit: the logits rank as the exact scores do (routing.py).
         selection = x
     if TOPK_GROUP > 0:
         kept = _kept_groups(selection, ok, num_groups, BLOCK_M, G_P2, S_P2, TOPK_GROUP, TOP2)
@@ -216,7 +234,7 @@ def route_triton(
         _route_kernel[(triton.cdiv(m, block_m),)](
             router_logits, bias, weights, ids, m, num_groups, group_size,
             router_logits.stride(0), router_logits.stride(1), float(routed_scaling_factor),
-            TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), SOFTMAX=scoring == "softmax",
+            TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), SCORE=SCORES[scoring],
             HAS_BIAS=e_score_correction_bias is not None, RENORMALIZE=bool(renormalize),
             SCALED=float(routed_scaling_factor) != 1.0, BLOCK_M=block_m, G_P2=g_p2, S_P2=s_p2,
             TOPK_GROUP=topk_group if num_expert_group else 0,

@@ -6,6 +6,7 @@ Methods (chosen by the arguments of `route`):
 - softmax, renormalize=True: the k largest probabilities renormalized to sum to 1 (Mixtral, Qwen3-MoE;
   also gpt-oss, whose softmax over the k largest logits is the same).
 - sigmoid: sigmoid scores, the k largest; renormalized if asked (Llama4's top-1 uses renormalize=False).
+- sqrtsoftplus: sqrt(softplus) scores, as sigmoid (DeepSeek-V4, with a correction bias, renormalized).
 - grouped top-k (num_expert_group set): experts split into groups; groups ranked by the sum of their top-2
   selection scores when a correction bias is given (DeepSeek-V3) and by their best score otherwise
   (DeepSeek-V2); the topk_group best groups are kept and the k experts are chosen among them. The bias
@@ -43,6 +44,8 @@ from . import _checks, eager_kernels, forward_only
 SCORING = {
     "softmax": lambda logits: torch.softmax(logits, dim=-1),
     "sigmoid": torch.sigmoid,
+    # DeepSeek-V4: sqrt(softplus(x)), torch's softplus (x itself above 20).
+    "sqrtsoftplus": lambda logits: torch.nn.functional.softplus(logits).sqrt(),
 }
 
 
@@ -143,7 +146,7 @@ def _route(
     if e_score_correction_bias is not None:
         selection = scores + e_score_correction_bias.float()
     else:
-        # Both scorings are increasing in the logit, so the logits rank as the exact scores do; the
+        # Every scoring is increasing in the logit, so the logits rank as the exact scores do; the
         # float32 scores would not: sigmoid is exactly 1.0 above a logit of ~16.6 (bf16 logits tie from
         # 13.44), and such distinct logits would tie and go to the lower id, where Llama4 takes the larger.
         selection = logits

@@ -79,8 +79,11 @@ def _stacked(parts, n13_parts=("gate", "up")):
         dict(activation=moe_ops.Activation("swigluoai", interleaved=True)),
         dict(scoring="sigmoid", renormalize=False, top_k=1),
         dict(top_k=E),
+        # DeepSeek-V4's recipe: sqrt(softplus) scores with a correction bias, its clamped SwiGLU
+        dict(scoring="sqrtsoftplus", correction_bias=True, routed_scaling_factor=1.5,
+             activation=moe_ops.Activation("silu_clamped", limit=0.5)),
     ],
-    ids=["silu", "gelu", "gelu_tanh_norenorm", "swigluoai_interleaved", "sigmoid_top1", "top_k_eq_E"],
+    ids=["silu", "gelu", "gelu_tanh_norenorm", "swigluoai_interleaved", "sigmoid_top1", "top_k_eq_E", "deepseek_v4"],
 )
 def test_forward_matches_float64(kwargs):
     layer = _layer(**kwargs)

@@ -46,6 +46,13 @@ CASES = [
     ("grouped_specials_no_bias", 24, 16, 5, "float32", "softmax", True, False, 1.0, "specials", (4, 2)),
     ("grouped_strided", 30, 64, 8, "float32", "sigmoid", True, True, 1.0, "strided", (8, 4)),
     ("grouped_infinite_bias", 8, 16, 5, "float32", "sigmoid", True, "infinite", 1.0, "randn", (4, 2)),
+    # DeepSeek-V4's sqrt(softplus) scores with a correction bias; on wide logits (softplus' x-above-20
+    # branch, and renormalized rows whose k scores are all tiny, where log1p must keep them exact); its
+    # specials; bf16 ties.
+    ("sqrtsoftplus_bias_scaled", 33, 256, 6, "float32", "sqrtsoftplus", True, True, 1.5, "randn", (0, 0)),
+    ("sqrtsoftplus_wide", 40, 16, 4, "float32", "sqrtsoftplus", True, False, 1.0, "wide", (0, 0)),
+    ("sqrtsoftplus_specials", 24, 16, 5, "float32", "sqrtsoftplus", True, True, 1.0, "specials", (0, 0)),
+    ("sqrtsoftplus_bf16_ties", 50, 64, 6, "bfloat16", "sqrtsoftplus", False, False, 1.0, "ties", (0, 0)),
 ]
 
 
@@ -57,6 +64,12 @@ def draw_logits(m: int, e: int, dtype: torch.dtype, how: str, device="cpu") -> t
         return (torch.randint(low, 4, (m, e), device=device) * 0.5).to(dtype)
     if how == "strided":
         return torch.randn(e, m, device=device).to(dtype).t()
+    if how == "wide":
+        # Even rows from -75 to 75; odd rows from -80 to -10, where every score is tiny (exp(x) stays a
+        # normal float32: the GPU's exp flushes subnormals to zero, the CPU's keeps them).
+        x = torch.rand(m, e, device=device) * 150 - 75
+        x[1::2] = torch.rand(m // 2, e, device=device) * 70 - 80
+        return x.to(dtype)
     x = torch.randn(m, e, device=device)
     if how == "specials":
         x[1, 3] = float("nan")
@@ -110,7 +123,12 @@ def assert_weights_match_float64(args, got) -> None:
     logits, k, scoring, renormalize, _, _, bias, scale = args
     weights, ids = got
     x = logits.double()
-    scores = torch.softmax(x, dim=-1) if scoring == "softmax" else torch.sigmoid(x)
+    scores = {
+        "softmax": lambda: torch.softmax(x, dim=-1),
+        "sigmoid": lambda: torch.sigmoid(x),
+        # softplus in float64 without its threshold: log1p(exp(x)) is exact enough at any x here
+        "sqrtsoftplus": lambda: torch.log1p(torch.exp(x)).sqrt(),
+    }[scoring]()
     want = scores.gather(1, ids.long())
     if renormalize:
         want = want / want.sum(dim=-1, keepdim=True)
@@ -142,6 +160,13 @@ _SCRIPT = textwrap.dedent(
 def test_route_kernel_matches_reference_in_interpreter(rng):
     out = run_interpreted(_SCRIPT, rng.initial_seed(), timeout=600)
     assert out.startswith("same"), out
+
+
+def test_every_scoring_has_a_kernel_score():
+    from moe_ops.route_kernel import SCORES
+    from moe_ops.routing import SCORING
+
+    assert set(SCORES) == set(SCORING) and len(set(SCORES.values())) == len(SCORES)
 
 
 def test_specials_reach_every_edge():
@@ -180,9 +205,9 @@ def test_route_past_the_kernel_warns_once_and_runs_the_reference(monkeypatch):
         routing._route_cuda(*args)
 
 
-def _compile_without_gpu(capability: int, top_k: int = 8, grid_dependency: bool = True):
+def _compile_without_gpu(capability: int, top_k: int = 8, grid_dependency: bool = True, scoring: str = "sigmoid"):
     """Triton's compile of the route kernel for sm_<capability> (through its own ptxas) as route_triton
-    launches DeepSeek-V3's routing: sigmoid + bias, 8 groups of 32 keeping 4, scaled."""
+    launches DeepSeek-V3's routing: sigmoid (or `scoring`) + bias, 8 groups of 32 keeping 4, scaled."""
     import triton
 
     from moe_ops import plan_kernel, route_kernel
@@ -190,17 +215,19 @@ def _compile_without_gpu(capability: int, top_k: int = 8, grid_dependency: bool 
     signature = {p: "*fp32" for p in ("logits_ptr", "bias_ptr", "weights_ptr")} | {"ids_ptr": "*i32"}
     signature |= {s: "i32" for s in ("m", "num_groups", "group_size", "stride_m", "stride_e")} | {"scale": "fp32"}
     constants = dict(
-        TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), SOFTMAX=False, HAS_BIAS=True, RENORMALIZE=True, SCALED=True,
+        TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), SCORE=route_kernel.SCORES[scoring], HAS_BIAS=True,
+        RENORMALIZE=True, SCALED=True,
         BLOCK_M=16, G_P2=8, S_P2=32, TOPK_GROUP=4, TOP2=True, PDL=grid_dependency,
     )  # fmt: skip
     return compile_triton(route_kernel._route_kernel, signature, constants, capability, plan_kernel.compile_options(grid_dependency))
 
 
-def test_cuda_route_waits_for_the_kernel_before_it():
+@pytest.mark.parametrize("scoring", ["sigmoid", "sqrtsoftplus", "softmax"])
+def test_cuda_route_waits_for_the_kernel_before_it(scoring):
     """Launched as a programmatic dependent (launch_pdl) of the router's matmul, the kernel must not
     read the logits (or touch any global memory) before griddepcontrol.wait; it lets the plan launch
     before that wait."""
-    compiled = _compile_without_gpu(90)
+    compiled = _compile_without_gpu(90, scoring=scoring)
     assert compiled.metadata.launch_pdl
     before, after = split_at_wait(compiled.asm["ptx"])
     assert "griddepcontrol.launch_dependents" in before

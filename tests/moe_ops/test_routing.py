@@ -36,6 +36,13 @@ def _sigmoid(row):
     return [1.0 / (1.0 + math.exp(-v)) for v in row]
 
 
+def _sqrt_softplus(row):
+    return [math.sqrt(math.log1p(math.exp(v))) for v in row]
+
+
+SCORES = {"softmax": _softmax, "sigmoid": _sigmoid, "sqrtsoftplus": _sqrt_softplus}
+
+
 def _normalized(w):
     return [v / sum(w) for v in w]
 
@@ -61,12 +68,13 @@ def llama4(row, k, bias, cfg):
 
 
 def deepseek(row, k, bias, cfg):
-    """DeepSeek-V3 (scores = sigmoid, a correction bias) and V2 (softmax, none): selection = scores + bias;
+    """DeepSeek-V3 (scores = sigmoid, a correction bias), V2 (softmax, none) and V4 (sqrt(softplus), a
+    correction bias, one group: DeepseekV4TopKRouter's plain top-k): selection = scores + bias;
     groups ranked by the sum of their two best selection scores with a bias, by their best one without;
     the k best experts of the topk_group best groups (the others masked with -inf, as in vLLM's and
     DeepSeek's inference code), weighted by their unbiased scores, renormalized if asked, times the
     routed scaling factor."""
-    scores = (_softmax if cfg["scoring"] == "softmax" else _sigmoid)(row)
+    scores = SCORES[cfg["scoring"]](row)
     sel = [s + b for s, b in zip(scores, bias)] if bias is not None else scores
     size = len(row) // cfg["groups"]
     group_score = []
@@ -96,6 +104,11 @@ MODELS = {
         160, 6,
         dict(scoring="softmax", renormalize=False, num_expert_group=8, topk_group=3, routed_scaling_factor=16.0),
         deepseek, dict(scoring="softmax", groups=8, topk_group=3, norm=False, scale=16.0), False,
+    ),
+    "deepseek_v4": (
+        256, 6,
+        dict(scoring="sqrtsoftplus", renormalize=True, routed_scaling_factor=1.5),
+        deepseek, dict(scoring="sqrtsoftplus", groups=1, topk_group=1, norm=True, scale=1.5), True,
     ),
     "kimi_k2": (
         384, 8,
@@ -167,8 +180,9 @@ def _tied_logits(m, num_experts):
         dict(scoring="sigmoid", renormalize=False),
         dict(scoring="sigmoid", num_expert_group=8, topk_group=2, bias=True),
         dict(scoring="softmax", num_expert_group=8, topk_group=3),
+        dict(scoring="sqrtsoftplus", bias=True),
     ],
-    ids=["softmax", "sigmoid", "grouped_bias", "grouped"],
+    ids=["softmax", "sigmoid", "grouped_bias", "grouped", "sqrtsoftplus_bias"],
 )
 def test_exact_ties_go_to_the_lower_expert_id(kwargs):
     """Equal scores: the lower expert id is chosen (and comes first), for experts and for groups, whatever
@@ -180,7 +194,7 @@ def test_exact_ties_go_to_the_lower_expert_id(kwargs):
     weights, ids = moe_ops.route(logits, top_k, e_score_correction_bias=bias, **kwargs)
     groups, topk_group = kwargs.get("num_expert_group"), kwargs.get("topk_group")
     for r, row in enumerate(logits.double().tolist()):
-        sel = (_softmax if kwargs["scoring"] == "softmax" else _sigmoid)(row)
+        sel = SCORES[kwargs["scoring"]](row)
         sel = [v + 0.25 for v in sel] if bias is not None else sel
         candidates = range(num_experts)
         if groups:
