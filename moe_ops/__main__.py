@@ -13,6 +13,7 @@ import time
 import torch
 
 from . import FusedMoE, _checks
+from .bench import capture
 from .reference import moe_float64, relative_error, tolerance
 
 # Qwen3-30B-A3B routes 8 of 128 experts; hidden and intermediate sizes are scaled down 4x.
@@ -34,21 +35,16 @@ def _time(fn, x, repeats: int) -> float:
 
 
 def _graphed(fn, x: torch.Tensor):
-    """fn(x) captured in a CUDA graph: a callable that replays it for this x (its captured input) and
-    returns the graph's output. Warmed up on a side stream first, as capture requires."""
-    side = torch.cuda.Stream(x.device)
-    side.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(side):
-        fn(x)
-    torch.cuda.current_stream(x.device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(x)
+    """fn(x) captured in a CUDA graph (the benchmark's capture, on x's GPU): a callable that replays it
+    for this x (its captured input) and returns the graph's output."""
+    out = {}
+    with torch.cuda.device(x.device):
+        graph = capture(lambda: out.update(y=fn(x)))
 
     def replay(given: torch.Tensor) -> torch.Tensor:
         assert given is x, "the graph replays the input it captured"
         graph.replay()
-        return out
+        return out["y"]
 
     return replay
 
