@@ -613,3 +613,40 @@ def test_custom_gates_are_named_not_guessed():
     unlisted.alpha, unlisted.limit = 1.702, 7.0
     with pytest.raises(NotImplementedError, match=r"Unlisted: its custom _apply_gate has no moe_ops equivalent"):
         INTEGRATION.experts_activation(unlisted)
+
+
+def test_fused_moe_computes_deepseek_v4_routed_experts():
+    """A FusedMoE with DeepSeek-V4's recipe (sqrt(softplus) scores, a correction bias for selection,
+    renormalized, scaled, silu_clamped experts) loaded from transformers' DeepseekV4TopKRouter and
+    DeepseekV4Experts computes their routed output (the block's output before its shared expert).
+    With sigmoid scores, or gpt-oss's clamped gate, the same weights give another output."""
+    module = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    cfg = transformers.DeepseekV4Config(
+        hidden_size=COMMON["hidden_size"], intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+        swiglu_limit=0.8, routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", hidden_act="silu",
+    )  # fmt: skip
+    cfg._experts_implementation = "eager"
+    router, experts = module.DeepseekV4TopKRouter(cfg), module.DeepseekV4Experts(cfg)
+    g = generator(31)
+    with torch.no_grad():
+        for p in (*router.parameters(), *experts.parameters()):
+            p.copy_(torch.randn(p.shape, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(8, generator=g) * 0.3)
+        x = torch.randn(13, COMMON["hidden_size"], generator=g)
+        _, weights, ids = router(x)
+        want = experts(x, ids, weights)
+    state = {"gate.weight": router.weight, "e_score_correction_bias": router.e_score_correction_bias,
+             "experts.gate_up_proj": experts.gate_up_proj, "experts.down_proj": experts.down_proj}  # fmt: skip
+    recipe = dict(scoring="sqrtsoftplus", correction_bias=True, routed_scaling_factor=1.5, dtype=torch.float32)
+
+    def layer_output(**changes):
+        kwargs = {**recipe, "activation": moe_ops.Activation("silu_clamped", limit=0.8), **changes}
+        layer = moe_ops.FusedMoE(8, 2, COMMON["hidden_size"], 32, **kwargs)
+        layer.load_weights(state)
+        with torch.no_grad():
+            return layer(x)
+
+    assert want.abs().max() > 0
+    assert relative_error(layer_output(), want) <= TOL
+    assert relative_error(layer_output(scoring="sigmoid"), want) > 1e-2
+    assert relative_error(layer_output(activation=moe_ops.Activation("swigluoai", alpha=1.0, limit=0.8)), want) > 1e-2
