@@ -288,6 +288,19 @@ def git_commit() -> str:
     return head + ("-dirty" if changed.strip() else "")
 
 
+def records_commit() -> str:
+    """git_commit() for a run's records, said on stderr when it ends in "-dirty": a tree copied onto
+    another checkout (the lent GPU host's) is not the commit it names, and MOE_OPS_COMMIT names it."""
+    commit = git_commit()
+    if commit.endswith("-dirty"):
+        print(
+            f"moe_ops.bench: tracked files differ from HEAD {short_commit(commit)}; the records will name it so. "
+            "Set MOE_OPS_COMMIT=<the commit this tree holds> to name it (a tree copied onto another checkout).",
+            file=sys.stderr,
+        )
+    return commit
+
+
 def short_commit(commit: str) -> str:
     """A record's commit as the table prints it: 12 hex digits, and "-dirty" if the record says so."""
     return commit[:12] + ("-dirty" if commit.endswith("-dirty") else "")
@@ -309,6 +322,7 @@ def run(shapes, tokens, replays: int) -> list[dict]:
     bandwidth, rate = measure_ceilings()
     floor_us = replay_floor_us()
     gpu = torch.cuda.get_device_name()
+    commit = records_commit()
     records, total, done = [], len(shapes) * len(tokens), 0
     for name in shapes:
         e, k, h, i = SHAPES[name]
@@ -333,7 +347,7 @@ def run(shapes, tokens, replays: int) -> list[dict]:
             records.append(dict(
                 shape=name, E=e, k=k, H=h, I=i, M=m, ours_us=ours_us, torch_us=torch_us, sol_us=sol_us,
                 active_experts=active, launches=launches, bandwidth_Bps=bandwidth, matmul_flops=rate, gpu=gpu,
-                torch=torch.__version__, commit=git_commit(),
+                torch=torch.__version__, commit=commit,
                 tflops=flops / (ours_us * 1e-6) / 1e12, weight_TBps=weight_bytes / (ours_us * 1e-6) / 1e12,
                 pct_sol=100 * sol_us / ours_us, replay_floor_us=floor_us, pct_sol_max=100 * sol_us / (sol_us + floor_us),
                 graph_calls=GRAPH_CALLS, ours_graph_us=graph_us, graph_sol_us=graph_sol_us, pct_sol_graph=100 * graph_sol_us / graph_us,

@@ -240,8 +240,9 @@ def test_speed_of_light_counts_the_benchmarked_tensors(name):
     assert bench.speed_of_light_us(name, 3, 1, 1e30, 1e12) == pytest.approx(2 * 3 * k * per_expert / 2 / 1e12 * 1e6)
 
 
-def test_records_name_a_changed_tree_as_dirty(tmp_path, monkeypatch):
-    """A tree that differs from HEAD (copied onto an older checkout) must not pass for HEAD."""
+def test_records_name_a_changed_tree_as_dirty(tmp_path, monkeypatch, capsys):
+    """A tree that differs from HEAD (copied onto an older checkout) must not pass for HEAD, and a run
+    says on stderr how to name the commit it measures."""
     import subprocess
 
     def git(*args):
@@ -260,5 +261,9 @@ def test_records_name_a_changed_tree_as_dirty(tmp_path, monkeypatch):
     assert bench.git_commit() == head + "-dirty"
     assert bench.short_commit(head + "-dirty") == head[:12] + "-dirty"
     assert bench.short_commit(head) == head[:12]
+    # A run says so before it starts (a table once named the GPU host's old checkout, v42).
+    assert bench.records_commit() == head + "-dirty"
+    assert f"tracked files differ from HEAD {head[:12]}-dirty" in capsys.readouterr().err
     monkeypatch.setenv("MOE_OPS_COMMIT", "c7dee57")
     assert bench.git_commit() == "c7dee57"
+    assert bench.records_commit() == "c7dee57" and capsys.readouterr().err == ""
