@@ -1,6 +1,7 @@
 """Routing in one Triton kernel: the CUDA implementation of moe_ops::route, every method (softmax,
-sigmoid or sqrt-softplus scores, with or without a correction bias, renormalized or not, scaled or not, grouped top-k or
-not) for up to MAX_POSITIONS positions (E, rounded up to a power of two per group and group count).
+sigmoid or sqrt-softplus scores, with or without a correction bias, renormalized or not, scaled or
+not, grouped top-k or not) for up to MAX_POSITIONS positions (E, rounded up to a power of two per
+group and group count).
 
 Why: the reference is a dozen small tensor ops (two dozen with expert groups); inside a compiled graph
 the op runs them one by one. At M = 1 on an H100 the routing (with the router's linear) took 30-31 µs
