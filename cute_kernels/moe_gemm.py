@@ -101,6 +101,8 @@ XCHG_ELEMS = 64 * 16 // 128
 
 # The gated activations the epilogue computes (_gated); relu2 is the one without a gate.
 GATED = ("silu", "gelu", "gelu_tanh", "swigluoai", "silu_clamped")
+# The parameters each kind reads in _gated; the others ignore alpha and limit.
+READS = {"swigluoai": ("alpha", "limit"), "silu_clamped": ("limit",)}
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,11 @@ class Epilogue:
         gated = self.activation in GATED
         if gated != (self.gate_layout in ("concat", "interleaved")):
             raise ValueError(f"Epilogue: activation {self.activation!r} does not go with gate_layout {self.gate_layout!r}")
+        # A parameter the kind does not read takes its default, so that it names no kernel variant of
+        # its own: the compile key is the epilogue's repr.
+        for name in ("alpha", "limit"):
+            if name not in READS.get(self.activation, ()):
+                object.__setattr__(self, name, type(self).__dataclass_fields__[name].default)
 
 
 def _sigmoid(x):

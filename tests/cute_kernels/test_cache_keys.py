@@ -237,3 +237,18 @@ def test_export_failure_is_recorded_not_raised(tmp_path, monkeypatch):
     cc._export(_Exportable(RuntimeError("cannot export\nmore detail")), tmp_path / "moe_abc.o", "moe_abc")
     assert cc.export_errors == ["moe_abc.o: RuntimeError: cannot export"]
     assert not (tmp_path / "moe_abc.o").exists()
+
+
+def test_keys_name_only_the_parameters_a_kind_reads():
+    # The epilogue of silu reads neither alpha nor limit and silu_clamped reads limit only: a value of
+    # an unread parameter must not compile a variant of its own, while a read one must.
+    from cute_kernels.moe_gemm import Epilogue
+
+    def key(act, **params):
+        return interface._gemm_key(Epilogue(act, "concat", **params), True, torch.bfloat16, torch.bfloat16, 132, 128, 256, False)
+
+    assert key("silu", alpha=2.5, limit=3.0) == key("silu")
+    assert key("silu_clamped", alpha=2.5) == key("silu_clamped")
+    assert key("silu_clamped", limit=3.0) != key("silu_clamped")
+    assert key("swigluoai", alpha=2.5) != key("swigluoai")
+    assert key("swigluoai", limit=3.0) != key("swigluoai")

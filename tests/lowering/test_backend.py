@@ -274,3 +274,16 @@ def test_kernels_unavailable_without_tvm_ffi_say_what_to_install():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "cute_kernels unavailable (cute_kernels launches its kernels through TVM-FFI: pip install 'apache-tvm-ffi==" in out.stdout
+
+
+def test_kernels_know_the_kinds_and_parameters_of_moe_ops():
+    """The kernels' epilogue and moe_ops' activation table list the same kinds and the same parameters
+    per kind: a kind the kernels did not know would be declined, and a parameter the epilogue thought
+    unread would be dropped from its compile key (two limits sharing one compiled kernel)."""
+    from cute_kernels import interface
+    from cute_kernels.moe_gemm import READS
+
+    from moe_ops.activation import ACTIVATIONS, PARAMETERS
+
+    assert set(interface.ACTIVATIONS) == set(ACTIVATIONS)
+    assert READS == PARAMETERS
