@@ -49,7 +49,7 @@ def reference_support(scheme: str, device: torch.device | str) -> Support:
         return Support("reference", scheme, dev, False, f"device type {dev!r} is not one of {', '.join(_REFERENCE_DEVICES)}")
     if scheme in _FP8_SCHEMES and torch.float8_e4m3fn in _REFERENCE_DEVICES[dev]:
         return Support("reference", scheme, dev, False, f"{dev} has no float8_e4m3fn tensors")
-    return Support("reference", scheme, dev, True, "plain PyTorch; dequantizes weights on every call")
+    return Support("reference", scheme, dev, True, "plain PyTorch; dequantizes the weights it reads on every call")
 
 
 def cute_support(scheme: str, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, capability=None) -> Support:

@@ -8,8 +8,10 @@ The reference dequantizes to float32 and multiplies in float32 on any device, wi
 with torch._grouped_mm where the device has it for the dtype and the output is stored in that dtype
 (the offsets stay on the device; on CUDA, bf16: the float32 sums come back rounded to bf16, and a bias
 is added to them in float32 before the output's own rounding), otherwise with a per-row batched
-product over row chunks. It dequantizes the whole weight on every
-call, which costs time and memory: it is the correctness baseline, not the fast path.
+product over row chunks. Quantized weights are dequantized on every call: whole, for torch._grouped_mm
+when there are at least as many rows as experts; otherwise only the experts of each chunk's rows, so
+that a decoding call reads k experts, not E, and no call holds more than a chunk of float32 weights
+(a whole float32 copy of gpt-oss's w13 would be 8.5 GB). It is the correctness baseline, not the fast path.
 """
 from __future__ import annotations
 
@@ -52,9 +54,10 @@ def _native_ok(a: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-def segment_matmul(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+def segment_matmul(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor, expert_weights=None) -> torch.Tensor:
     """a [R, K], w [E, N, K] (same dtype) -> float32 [R, N]: row r times the weight of its expert;
-    rows past offsets[E] are zero."""
+    rows past offsets[E] are zero. expert_weights(idx) -> float32 [len(idx), N, K], the weights of
+    experts idx, stands in for w[idx] on the batched path (quantized w: packed, dequantized per chunk)."""
     rows, num_experts, n = a.shape[0], w.shape[0], w.shape[1]
     expert = row_experts(expert_offsets, rows)
     valid = (expert < num_experts).unsqueeze(1)
@@ -65,12 +68,30 @@ def segment_matmul(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tenso
         out = torch._grouped_mm(a, w.transpose(1, 2), offs=expert_offsets[1:].to(torch.int32)).float()
         return torch.where(valid, out, 0.0)
     out = a.new_empty((rows, n), dtype=torch.float32)
-    chunk = max(1, _CHUNK_BYTES // max(1, n * w.shape[2] * 4))
-    wf = w.float()
+    chunk = max(1, _CHUNK_BYTES // max(1, n * a.shape[1] * 4))
+    if expert_weights is None:
+        wf = w.float()
+        expert_weights = wf.__getitem__
     for start in range(0, rows, chunk):
         idx = expert[start : start + chunk].clamp(max=num_experts - 1)
-        out[start : start + chunk] = torch.bmm(wf[idx], a[start : start + chunk].float().unsqueeze(2)).squeeze(2)
+        out[start : start + chunk] = torch.bmm(expert_weights(idx), a[start : start + chunk].float().unsqueeze(2)).squeeze(2)
     return torch.where(valid, out, 0.0)
+
+
+def _dequantizer(w, w_dtype, w_group, w_scale, w_global_scale, w_zero):
+    """idx [c] -> float32 [c, N, K]: experts idx of the quantized w, dequantized. Scales, global scales and
+    zero points with one entry per expert are gathered with them; one shared by all is used as it is."""
+    num_experts = w.shape[0]
+
+    def pick(t, idx):
+        return t[idx] if t is not None and t.dim() and t.shape[0] == num_experts else t
+
+    def experts(idx):
+        return formats.dequantize(
+            w[idx], w_dtype, (w_group[0], w_group[1]), pick(w_scale, idx), pick(w_global_scale, idx), pick(w_zero, idx)
+        )
+
+    return experts
 
 
 def check_gemm_args(
@@ -164,9 +185,14 @@ def grouped_gemm(
             x = x.to(w.dtype)  # exact: x came from w's dtype (another dtype's x would be rounded)
         else:
             wf = w.float()
+        out = segment_matmul(x if x.dtype == wf.dtype else x.float(), wf, expert_offsets)
+    elif x.shape[0] < w.shape[0] or (x.device.type, torch.float32) not in _NATIVE_GROUPED_MM:
+        # The batched product reads one weight per row anyway: dequantize only the rows' experts.
+        experts = _dequantizer(w, w_dtype, w_group, w_scale, w_global_scale, w_zero)
+        out = segment_matmul(x.float(), w, expert_offsets, experts)
     else:
         wf = formats.dequantize(w, w_dtype, (w_group[0], w_group[1]), w_scale, w_global_scale, w_zero)
-    out = segment_matmul(x if x.dtype == wf.dtype else x.float(), wf, expert_offsets)
+        out = segment_matmul(x.float(), wf, expert_offsets)
     num_experts = w.shape[0]
     if bias is not None and num_experts:  # no expert (E = 0): every row is dropped, bias [0, N] has no row
         expert = row_experts(expert_offsets, out.shape[0])

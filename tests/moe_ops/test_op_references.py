@@ -12,7 +12,9 @@ import torch
 import moe_ops  # noqa: F401  (registers the ops)
 from moe_ops import gemm  # only to patch its path choice and chunk size, never for an expectation
 
-from ..decoders import decode_e2m1_packed  # the tests' own float64 decoders, not moe_ops'
+from moe_ops.quant import GroupShape, WeightQuant, quantize_weight
+
+from ..decoders import decode_e2m1_packed, decode_weight  # the tests' own float64 decoders, not moe_ops'
 
 OPS = torch.ops.moe_ops
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -225,6 +227,51 @@ def test_grouped_gemm_batched_product_in_row_chunks(chunk_rows, monkeypatch):
     assert_close(out, expected_gemm(x, w.double(), bias.double(), offsets), torch.float32)
     assert (out[int(offsets[-1]) :] == 0).all()
     assert sum(batches) == out.shape[0] and max(batches) <= max(chunk_rows, 1), batches
+
+
+# Every weight format in a group shape it takes (small blocks and groups for K = 64).
+WEIGHT_QUANTS = {
+    "fp8 per-tensor": WeightQuant("fp8", GroupShape(-1, -1)),
+    "fp8 per-row": WeightQuant("fp8", GroupShape(1, -1)),
+    "fp8 16x16": WeightQuant("fp8", GroupShape(16, 16)),
+    "int8 1x16": WeightQuant("int8", GroupShape(1, 16)),
+    "int4 1x16 zero": WeightQuant("int4", GroupShape(1, 16), zero_point=True),
+    "nvfp4": WeightQuant("nvfp4", GroupShape(1, 16)),
+    "mxfp4": WeightQuant("mxfp4", GroupShape(1, 32)),
+}
+
+
+@pytest.mark.parametrize("rows,chunk_rows", [(3, 2), (12, 4), (40, 4)], ids=["decode", "rows<E", "rows>=E"])
+@pytest.mark.parametrize("name", list(WEIGHT_QUANTS))
+def test_grouped_gemm_dequantizes_only_the_experts_it_reads(name, rows, chunk_rows, monkeypatch):
+    """Quantized weights with fewer rows than experts (decoding: M * k rows against E experts) are
+    dequantized per chunk of rows, the experts of those rows only, with their scales, global scales and
+    zero points gathered alongside: never the whole [E, N, K] weight in float32 (gpt-oss's w13 would be
+    8.5 GB). With at least as many rows as experts the CPU dequantizes the whole weight once for
+    torch._grouped_mm. Either way the output is the float64 product with the tests' own decoding."""
+    num_experts, n, k = 16, 24, 64
+    wq = WEIGHT_QUANTS[name]
+    monkeypatch.setattr(gemm, "_CHUNK_BYTES", chunk_rows * n * k * 4)
+    experts_decoded, real = [], gemm.formats.dequantize
+    monkeypatch.setattr(gemm.formats, "dequantize", lambda q, *a: (experts_decoded.append(q.shape[0]), real(q, *a))[1])
+    stored = quantize_weight(torch.randn(num_experts, n, k), wq)
+    ids = torch.randint(0, num_experts, (rows,))
+    counts = torch.bincount(ids, minlength=num_experts)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+    a = torch.randn(rows + 2, k)  # two dropped rows, past offsets[E]
+    gather_idx = torch.randint(0, rows + 2, (rows + 2,), dtype=torch.int32)
+    bias = torch.randn(num_experts, n)
+    out = OPS.grouped_gemm(
+        a, None, None, "none", [-1, -1], stored["q"], stored["scale"], stored["global_scale"], stored["zero"],
+        wq.dtype, list(wq.group.astuple()), bias, offsets, gather_idx, torch.float32,
+    )  # fmt: skip
+    w64 = decode_weight(stored["q"], wq, stored["scale"], stored["global_scale"], stored["zero"])
+    expected = expected_gemm(a.double()[gather_idx.long()], w64, bias.double(), offsets)
+    assert_close(out, expected, torch.float32)
+    if rows < num_experts:
+        assert experts_decoded and max(experts_decoded) <= chunk_rows, experts_decoded
+    else:
+        assert experts_decoded == [num_experts]
 
 
 @pytest.mark.parametrize("k", [32, 45])
