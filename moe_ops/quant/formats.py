@@ -116,9 +116,12 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """uint8 e2m1 codes (0..15) -> float32 values (E2M1_VALUES), by arithmetic on the code's fields
     (sign, 2-bit exponent, 1-bit mantissa) rather than a table built on the device (see e2m1_encode)."""
-    c = codes.to(torch.int32)
-    exponent, mantissa = ((c >> 1) & 3).float(), (c & 1).float()
-    magnitude = torch.where(exponent == 0, 0.5 * mantissa, torch.exp2(exponent - 1) * (1 + 0.5 * mantissa))
+    c = codes.to(torch.uint8)
+    exponent, mantissa = (c >> 1) & 3, c & 1
+    # Twice the magnitude is a small integer (0..12): integer shifts, then one exact conversion, take half
+    # the time of float exp2 on the CPU (the reference decodes whole mxfp4/nvfp4 weights per call).
+    twice = torch.where(exponent == 0, mantissa, (mantissa + 2) << (exponent.clamp(min=1) - 1))
+    magnitude = twice.float() * 0.5
     return torch.where((c & 8) != 0, -magnitude, magnitude)
 
 
