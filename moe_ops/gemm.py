@@ -8,10 +8,11 @@ The reference dequantizes to float32 and multiplies in float32 on any device, wi
 with torch._grouped_mm where the device has it for the dtype and the output is stored in that dtype
 (the offsets stay on the device; on CUDA, bf16: the float32 sums come back rounded to bf16, and a bias
 is added to them in float32 before the output's own rounding), otherwise with a per-row batched
-product over row chunks. Quantized weights are dequantized on every call: whole, for torch._grouped_mm
-when there are at least as many rows as experts; otherwise only the experts of each chunk's rows, so
-that a decoding call reads k experts, not E, and no call holds more than a chunk of float32 weights
-(a whole float32 copy of gpt-oss's w13 would be 8.5 GB). It is the correctness baseline, not the fast path.
+product over row chunks. Quantized weights are dequantized on every call: whole, for torch._grouped_mm,
+where the device has it in float32 (the CPU) and there are at least as many rows as experts; otherwise
+only the experts of each chunk's rows, so that a decoding call reads k experts, not E, and float32
+weights are held one chunk at a time (a whole float32 copy of gpt-oss's w13 would be 8.5 GB). It is
+the correctness baseline, not the fast path.
 """
 from __future__ import annotations
 
