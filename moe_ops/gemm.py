@@ -8,11 +8,11 @@ The reference dequantizes to float32 and multiplies in float32 on any device, wi
 with torch._grouped_mm where the device has it for the dtype and the output is stored in that dtype
 (the offsets stay on the device; on CUDA, bf16: the float32 sums come back rounded to bf16, and a bias
 is added to them in float32 before the output's own rounding), otherwise with a per-row batched
-product over row chunks. Quantized weights are dequantized on every call: whole, for torch._grouped_mm,
-where the device has it in float32 (the CPU) and there are at least as many rows as experts; otherwise
-only the experts of each chunk's rows, so that a decoding call reads k experts, not E, and float32
-weights are held one chunk at a time (a whole float32 copy of gpt-oss's w13 would be 8.5 GB). It is
-the correctness baseline, not the fast path.
+product over row chunks. Quantized weights are dequantized on every call: only the experts of each
+chunk's rows when there are fewer rows than experts (decoding: k experts read, not E) or when the
+whole float32 weight would exceed _WHOLE_DEQUANT_BYTES where the product is the batched one (on
+CUDA); otherwise whole, a chunk of experts at a time, for torch._grouped_mm (the CPU) or for the
+batched product to gather. It is the correctness baseline, not the fast path.
 """
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ from .quant.quantize import ACTIVATION_STORAGE, dequantize_activation
 # (device type, dtype) pairs where torch._grouped_mm multiplies exactly in float32 accumulation.
 _NATIVE_GROUPED_MM = {("cpu", torch.float32), ("cuda", torch.bfloat16)}
 _CHUNK_BYTES = 1 << 28
+# Quantized weights up to this size in float32 are dequantized whole for calls with at least as many rows
+# as experts, where the batched product then gathers float32 rows: one dequantization instead of one per
+# row (3.8x-6.7x faster on an H200, bench/NOTES.md v43). Larger ones are dequantized per chunk of rows.
+# gpt-oss-120b's w13 is 7.9 GiB in float32, DeepSeek-V3's 28 GiB (256 experts, unsharded).
+_WHOLE_DEQUANT_BYTES = 8 << 30
 # a_dtype / w_dtype -> elements per stored element along K ("none": unquantized).
 _A_PACKING = {"none": 1, **{k: formats.PACKING[k] for k in ACTIVATION_STORAGE}}
 _W_PACKING = {"none": 1, **formats.PACKING}
@@ -93,6 +98,17 @@ def _dequantizer(w, w_dtype, w_group, w_scale, w_global_scale, w_zero):
         )
 
     return experts
+
+
+def _dequantize_whole(experts, w: torch.Tensor, k: int) -> torch.Tensor:
+    """float32 [E, N, K]: every expert of w dequantized, a chunk of experts at a time (the decoding's
+    temporaries are a few times the float32 result)."""
+    num_experts, n = w.shape[0], w.shape[1]
+    out = torch.empty((num_experts, n, k), dtype=torch.float32, device=w.device)
+    step = max(1, _CHUNK_BYTES // max(1, n * k * 4))
+    for start in range(0, num_experts, step):
+        out[start : start + step] = experts(slice(start, start + step))
+    return out
 
 
 def check_gemm_args(
@@ -187,13 +203,14 @@ def grouped_gemm(
         else:
             wf = w.float()
         out = segment_matmul(x if x.dtype == wf.dtype else x.float(), wf, expert_offsets)
-    elif x.shape[0] < w.shape[0] or (x.device.type, torch.float32) not in _NATIVE_GROUPED_MM:
-        # The batched product reads one weight per row anyway: dequantize only the rows' experts.
-        experts = _dequantizer(w, w_dtype, w_group, w_scale, w_global_scale, w_zero)
-        out = segment_matmul(x.float(), w, expert_offsets, experts)
     else:
-        wf = formats.dequantize(w, w_dtype, (w_group[0], w_group[1]), w_scale, w_global_scale, w_zero)
-        out = segment_matmul(x.float(), wf, expert_offsets)
+        experts = _dequantizer(w, w_dtype, w_group, w_scale, w_global_scale, w_zero)
+        num_experts, whole_bytes = w.shape[0], w.shape[0] * w.shape[1] * x.shape[1] * 4
+        native = (x.device.type, torch.float32) in _NATIVE_GROUPED_MM
+        if x.shape[0] >= num_experts and (native or whole_bytes <= _WHOLE_DEQUANT_BYTES):
+            out = segment_matmul(x.float(), _dequantize_whole(experts, w, x.shape[1]), expert_offsets)
+        else:
+            out = segment_matmul(x.float(), w, expert_offsets, experts)
     num_experts = w.shape[0]
     if bias is not None and num_experts:  # no expert (E = 0): every row is dropped, bias [0, N] has no row
         expert = row_experts(expert_offsets, out.shape[0])

@@ -242,17 +242,33 @@ WEIGHT_QUANTS = {
 }
 
 
-@pytest.mark.parametrize("rows,chunk_rows", [(3, 2), (12, 4), (40, 4)], ids=["decode", "rows<E", "rows>=E"])
+# (rows, whether torch._grouped_mm takes float32 (the CPU: True), _WHOLE_DEQUANT_BYTES in experts' worth)
+DEQUANT_PATHS = {
+    "decode": (3, True, 64),
+    "rows<E": (12, True, 64),
+    "rows>=E": (40, True, 0),
+    "rows>=E batched": (40, False, 16),
+    "rows>=E batched, weight over the limit": (40, False, 15),
+}
+
+
+@pytest.mark.parametrize("path", list(DEQUANT_PATHS))
 @pytest.mark.parametrize("name", list(WEIGHT_QUANTS))
-def test_grouped_gemm_dequantizes_only_the_experts_it_reads(name, rows, chunk_rows, monkeypatch):
+def test_grouped_gemm_dequantizes_only_the_experts_it_reads(name, path, monkeypatch):
     """Quantized weights with fewer rows than experts (decoding: M * k rows against E experts) are
     dequantized per chunk of rows, the experts of those rows only, with their scales, global scales and
-    zero points gathered alongside: never the whole [E, N, K] weight in float32 (gpt-oss's w13 would be
-    8.5 GB). With at least as many rows as experts the CPU dequantizes the whole weight once for
-    torch._grouped_mm. Either way the output is the float64 product with the tests' own decoding."""
-    num_experts, n, k = 16, 24, 64
+    zero points gathered alongside: never the whole [E, N, K] weight in float32. With at least as many
+    rows as experts the whole weight is dequantized once, a chunk of experts at a time (the CPU's
+    torch._grouped_mm takes it whatever its size; CUDA's batched product only up to
+    _WHOLE_DEQUANT_BYTES, past which it dequantizes per chunk of rows). Either way the output is the
+    float64 product with the tests' own decoding."""
+    num_experts, n, k, chunk_rows = 16, 24, 64, 4
+    rows, native, whole_experts = DEQUANT_PATHS[path]
     wq = WEIGHT_QUANTS[name]
     monkeypatch.setattr(gemm, "_CHUNK_BYTES", chunk_rows * n * k * 4)
+    monkeypatch.setattr(gemm, "_WHOLE_DEQUANT_BYTES", whole_experts * n * k * 4)
+    if not native:  # as on CUDA: float32 has no torch._grouped_mm there
+        monkeypatch.setattr(gemm, "_NATIVE_GROUPED_MM", {("cuda", torch.bfloat16)})
     experts_decoded, real = [], gemm.formats.dequantize
     monkeypatch.setattr(gemm.formats, "dequantize", lambda q, *a: (experts_decoded.append(q.shape[0]), real(q, *a))[1])
     stored = quantize_weight(torch.randn(num_experts, n, k), wq)
@@ -270,10 +286,10 @@ def test_grouped_gemm_dequantizes_only_the_experts_it_reads(name, rows, chunk_ro
     w64 = decode_weight(stored["q"], wq, stored["scale"], stored["global_scale"], stored["zero"])
     expected = expected_gemm(a.double()[gather_idx.long()], w64, bias.double(), offsets)
     assert_close(out, expected, torch.float32)
-    if rows < num_experts:
-        assert experts_decoded and max(experts_decoded) <= chunk_rows, experts_decoded
-    else:
-        assert experts_decoded == [num_experts]
+    assert experts_decoded and max(experts_decoded) <= chunk_rows, experts_decoded
+    whole = rows >= num_experts and (native or whole_experts >= num_experts)
+    # Whole: each expert once, in order; per chunk of rows: one per row, dropped rows included.
+    assert sum(experts_decoded) == (num_experts if whole else rows + 2), experts_decoded
 
 
 @pytest.mark.parametrize("k", [32, 45])
