@@ -101,8 +101,8 @@ def _dequantizer(w, w_dtype, w_group, w_scale, w_global_scale, w_zero):
 
 
 def _dequantize_whole(experts, w: torch.Tensor, k: int) -> torch.Tensor:
-    """float32 [E, N, K]: every expert of w dequantized, a chunk of experts at a time (the decoding's
-    temporaries are a few times the float32 result)."""
+    """float32 [E, N, K]: every expert of w dequantized, a chunk of experts at a time, so that the
+    decoding's temporaries (a few times its output) stay a chunk's worth."""
     num_experts, n = w.shape[0], w.shape[1]
     out = torch.empty((num_experts, n, k), dtype=torch.float32, device=w.device)
     step = max(1, _CHUNK_BYTES // max(1, n * k * 4))
@@ -186,6 +186,7 @@ def grouped_gemm(
         bias, expert_offsets, gather_idx, out_dtype,
     )  # fmt: skip
     x = dequantize_activation(a, a_dtype, a_group, a_scale, a_global_scale)
+    num_experts = w.shape[0]
     if gather_idx is not None:
         # Out-of-range indices read nothing (compiled callers are not value-checked).
         g = gather_idx.long()
@@ -205,13 +206,11 @@ def grouped_gemm(
         out = segment_matmul(x if x.dtype == wf.dtype else x.float(), wf, expert_offsets)
     else:
         experts = _dequantizer(w, w_dtype, w_group, w_scale, w_global_scale, w_zero)
-        num_experts, whole_bytes = w.shape[0], w.shape[0] * w.shape[1] * x.shape[1] * 4
         native = (x.device.type, torch.float32) in _NATIVE_GROUPED_MM
-        if x.shape[0] >= num_experts and (native or whole_bytes <= _WHOLE_DEQUANT_BYTES):
+        if x.shape[0] >= num_experts and (native or num_experts * w.shape[1] * x.shape[1] * 4 <= _WHOLE_DEQUANT_BYTES):
             out = segment_matmul(x.float(), _dequantize_whole(experts, w, x.shape[1]), expert_offsets)
         else:
             out = segment_matmul(x.float(), w, expert_offsets, experts)
-    num_experts = w.shape[0]
     if bias is not None and num_experts:  # no expert (E = 0): every row is dropped, bias [0, N] has no row
         expert = row_experts(expert_offsets, out.shape[0])
         row_bias = bias.float()[expert.clamp(max=num_experts - 1)]
