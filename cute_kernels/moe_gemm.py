@@ -100,9 +100,9 @@ XCHG_ELEMS = 64 * 16 // 128
 
 
 # The gated activations the epilogue computes (_gated); relu2 is the one without a gate.
-GATED = ("silu", "gelu", "gelu_tanh", "swigluoai", "silu_clamped")
+GATED = ("silu", "gelu", "gelu_tanh", "swigluoai", "silu_clamped", "swiglu_softcapped")
 # The parameters each kind reads in _gated; the others ignore alpha and limit.
-READS = {"swigluoai": ("alpha", "limit"), "silu_clamped": ("limit",)}
+READS = {"swigluoai": ("alpha", "limit"), "silu_clamped": ("limit",), "swiglu_softcapped": ("alpha", "limit")}
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,12 @@ def _gated(kind: str, g, u, alpha: float, limit: float):
         return 0.5 * g * (1.0 + cute.math.erf(g * 0.7071067811865476)) * u
     if const_expr(kind == "gelu_tanh"):
         return 0.5 * g * (1.0 + cute.math.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g * g * g))) * u
+    if const_expr(kind == "swiglu_softcapped"):
+        # alpha * tanh(g / alpha) * sigmoid(g) * limit * tanh(u / limit): the caps are compile-time
+        # constants, so each division is a multiply by a folded reciprocal.
+        gs = Float32(alpha) * cute.math.tanh(g * Float32(1.0 / alpha))
+        us = Float32(limit) * cute.math.tanh(u * Float32(1.0 / limit))
+        return gs * _sigmoid(g) * us
     # swigluoai and silu_clamped: gate clamped from above, up on both sides; swigluoai then scales the
     # sigmoid's argument by alpha and adds one to up.
     gc = cute.arch.fmin(g, Float32(limit))

@@ -27,6 +27,16 @@ def _silu_clamped(gate, up, alpha, limit):
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+def _softcap(x, cap):
+    return cap * torch.tanh(x / cap)
+
+
+def _swiglu_softcapped(gate, up, alpha, limit):
+    # Inkling-2: the sigmoid sees the raw gate; tanh softcaps bound the linear gate factor (at alpha) and
+    # the up projection (at limit), where the clamped kinds clip.
+    return _softcap(gate, alpha) * torch.sigmoid(gate) * _softcap(up, limit)
+
+
 # kind -> (gated, f(gate_or_x, up, alpha, limit))
 ACTIVATIONS = {
     "silu": (True, lambda g, u, alpha, limit: F.silu(g) * u),
@@ -34,40 +44,66 @@ ACTIVATIONS = {
     "gelu_tanh": (True, lambda g, u, alpha, limit: F.gelu(g, approximate="tanh") * u),
     "swigluoai": (True, _swigluoai),
     "silu_clamped": (True, _silu_clamped),
+    "swiglu_softcapped": (True, _swiglu_softcapped),
     "relu2": (False, lambda x, u, alpha, limit: F.relu(x).square()),
 }
-# The parameters each kind reads (the others ignore alpha and limit).
-PARAMETERS = {"swigluoai": ("alpha", "limit"), "silu_clamped": ("limit",)}
+# The parameters each kind reads, with the values an Activation takes when they are not given (the other
+# kinds ignore alpha and limit, which then keep swigluoai's defaults). gpt-oss: 1.702 and 7.0; Inkling-2:
+# softcaps of 4.0 (gate) and 25.0 (up).
+DEFAULTS = {
+    "swigluoai": {"alpha": 1.702, "limit": 7.0},
+    "silu_clamped": {"limit": 7.0},
+    "swiglu_softcapped": {"alpha": 4.0, "limit": 25.0},
+}
+PARAMETERS = {kind: tuple(values) for kind, values in DEFAULTS.items()}
+# The parameters that bound values (clamps, softcaps: a softcap also divides by its cap), which must be > 0.
+_BOUNDS = {"swigluoai": ("limit",), "silu_clamped": ("limit",), "swiglu_softcapped": ("alpha", "limit")}
+
+
+def check_parameters(kind: str, alpha: float, limit: float) -> None:
+    """The values of alpha and limit (their types are the caller's: the op's schema, or Activation): no
+    NaN, and each bound the kind reads > 0. Comparisons only: under torch.compile they may be SymFloats."""
+    values = {"alpha": alpha, "limit": limit}
+    for name, v in values.items():
+        if v != v:
+            raise ValueError(f"activation.{name}: got nan; allowed: a number")
+    for name in _BOUNDS.get(kind, ()):
+        if not values[name] > 0:
+            raise ValueError(f"activation.{name}: got {values[name]}; allowed: > 0")
 
 
 @dataclass(frozen=True)
 class Activation:
-    """An expert activation. kind: a key of ACTIVATIONS; alpha and limit parameterise swigluoai
-    (gpt-oss uses 1.702 and 7.0), limit silu_clamped (PARAMETERS); interleaved: gate and up
-    alternate along GEMM1's output."""
+    """An expert activation. kind: a key of ACTIVATIONS; alpha and limit parameterise the kinds of
+    PARAMETERS: swigluoai's sigmoid scale and clamp (gpt-oss: 1.702 and 7.0), silu_clamped's clamp,
+    swiglu_softcapped's softcaps of the gate factor (alpha) and of up (limit; Inkling-2: 4.0 and 25.0).
+    None (the default) takes the kind's value in DEFAULTS; interleaved: gate and up alternate along
+    GEMM1's output."""
 
     kind: str = "silu"
-    alpha: float = 1.702
-    limit: float = 7.0
+    alpha: float | None = None
+    limit: float | None = None
     interleaved: bool = False
 
     def __post_init__(self):
         if not isinstance(self.kind, str):
             raise TypeError(f"activation.kind: expected a str, got {type(self.kind).__name__} {self.kind!r}; allowed: {', '.join(map(repr, ACTIVATIONS))}")
-        for name in ("alpha", "limit"):
-            v = getattr(self, name)
-            if not isinstance(v, Real) or isinstance(v, bool):
-                raise TypeError(f"activation.{name}: expected a real number, got {type(v).__name__} {v!r}")
-            if v != v:  # NaN (a comparison: under torch.compile v may be a SymFloat)
-                raise ValueError(f"activation.{name}: got nan; allowed: a number")
-        if not isinstance(self.interleaved, bool):
-            raise TypeError(f"activation.interleaved: expected a bool, got {type(self.interleaved).__name__} {self.interleaved!r}")
         if self.kind not in ACTIVATIONS:
             raise ValueError(f"activation: got {self.kind!r}; allowed: {', '.join(map(repr, ACTIVATIONS))}")
+        # An omitted parameter takes the kind's default (so Activation("swiglu_softcapped") is Inkling-2's
+        # gate, not one with gpt-oss's numbers as softcaps).
+        defaults = {**DEFAULTS["swigluoai"], **DEFAULTS.get(self.kind, {})}
+        for name in ("alpha", "limit"):
+            v = getattr(self, name)
+            if v is None:
+                object.__setattr__(self, name, defaults[name])
+            elif not isinstance(v, Real) or isinstance(v, bool):
+                raise TypeError(f"activation.{name}: expected a real number, got {type(v).__name__} {v!r}")
+        check_parameters(self.kind, self.alpha, self.limit)
+        if not isinstance(self.interleaved, bool):
+            raise TypeError(f"activation.interleaved: expected a bool, got {type(self.interleaved).__name__} {self.interleaved!r}")
         if self.interleaved and not self.gated:
             raise ValueError(f"activation: {self.kind!r} has no gate, so interleaved=True means nothing")
-        if not self.limit > 0:
-            raise ValueError(f"activation.limit: got {self.limit}; allowed: > 0")
 
     @property
     def gated(self) -> bool:
@@ -117,6 +153,7 @@ def check_activation_args(x: torch.Tensor, kind: str, interleaved: bool) -> bool
 def activation(x: torch.Tensor, kind: str, alpha: float, limit: float, interleaved: bool) -> torch.Tensor:
     """x [R, 2I] (gated) or [R, I] -> [R, I] in x's dtype."""
     gated = check_activation_args(x, kind, interleaved)
+    check_parameters(kind, alpha, limit)
     fn = ACTIVATIONS[kind][1]
     xf = x.float()
     gate, up = split_gate_up(xf, interleaved) if gated else (xf, None)
@@ -126,6 +163,7 @@ def activation(x: torch.Tensor, kind: str, alpha: float, limit: float, interleav
 @activation.register_fake
 def _activation_fake(x, kind, alpha, limit, interleaved):
     gated = check_activation_args(x, kind, interleaved)
+    check_parameters(kind, alpha, limit)
     return x.new_empty((x.shape[0], x.shape[1] // 2 if gated else x.shape[1]))
 
 

@@ -59,6 +59,8 @@ def apply_activation(h: torch.Tensor, kind: str, alpha: float = 1.702, limit: fl
         if kind == "silu_clamped":
             return _silu(gate) * up
         return gate / (1 + torch.exp(-alpha * gate)) * (up + 1)
+    if kind == "swiglu_softcapped":
+        return alpha * torch.tanh(gate / alpha) / (1 + torch.exp(-gate)) * limit * torch.tanh(up / limit)
     return {"silu": _silu, "gelu": _gelu, "gelu_tanh": _gelu_tanh}[kind](gate) * up
 
 

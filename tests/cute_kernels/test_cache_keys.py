@@ -252,3 +252,5 @@ def test_keys_name_only_the_parameters_a_kind_reads():
     assert key("silu_clamped", limit=3.0) != key("silu_clamped")
     assert key("swigluoai", alpha=2.5) != key("swigluoai")
     assert key("swigluoai", limit=3.0) != key("swigluoai")
+    assert key("swiglu_softcapped", alpha=2.5) != key("swiglu_softcapped")
+    assert key("swiglu_softcapped", limit=3.0) != key("swiglu_softcapped")

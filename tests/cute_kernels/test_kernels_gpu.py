@@ -124,22 +124,39 @@ def test_clamped_epilogues_where_the_clamps_bind(interface, activation, layout, 
     assert rel_err(clamped, reference(x, w13, w2, tw, ti, activation, 1.2, 7.0, interleaved)[1]) > 10 * TOL
 
 
+@pytest.mark.parametrize("layout,bias", [("concat", True), ("interleaved", False)])
+def test_softcapped_epilogue_where_the_caps_bend(interface, layout, bias):
+    """Inkling-2's swiglu_softcapped with caps 0.5 (gate) and 0.75 (up) on sums of ~N(0, 1): most values
+    are bent, so both caps and the sigmoid of the raw gate are what the comparison checks; the
+    reference moves by far more than TOL between these caps and Inkling-2's own (4 and 25). Large sums
+    (x times 30) drive tanh and the sigmoid to their limits without a NaN."""
+    check(interface, 300, 16, 4, 576, 320, activation="swiglu_softcapped", layout=layout, bias=bias, alpha=0.5, limit=0.75)
+    w13, w2 = weights(8, 256, 128)
+    x = torch.randn(40, 256, device="cuda", dtype=torch.bfloat16)
+    tw, ti = routing(40, 8, 2)
+    interleaved = layout == "interleaved"
+    capped = reference(x, w13, w2, tw, ti, "swiglu_softcapped", 0.5, 0.75, interleaved)[1]
+    assert rel_err(capped, reference(x, w13, w2, tw, ti, "swiglu_softcapped", 4.0, 25.0, interleaved)[1]) > 10 * TOL
+    check(interface, 40, 8, 2, 256, 128, activation="swiglu_softcapped", layout=layout, alpha=0.5, limit=0.75,
+          w=(w13 * 30, w2))  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "activation,layout,bias,limit",
-    [("silu", "concat", True, 7.0), ("swigluoai", "interleaved", True, 7.0), ("relu2", "none", False, 7.0),
-     ("silu_clamped", "concat", False, 0.5)],
+    "activation,layout,bias,alpha,limit",
+    [("silu", "concat", True, 1.702, 7.0), ("swigluoai", "interleaved", True, 1.702, 7.0), ("relu2", "none", False, 1.702, 7.0),
+     ("silu_clamped", "concat", False, 1.702, 0.5), ("swiglu_softcapped", "interleaved", False, 0.5, 0.75)],
 )  # fmt: skip
-def test_every_tile_shape(interface, activation, layout, bias, limit):
+def test_every_tile_shape(interface, activation, layout, bias, alpha, limit):
     """Every (tile_m, tile_n) choose_tiles can pick, for GEMM1 and GEMM2, with ragged experts (some
     above and some below a 64-row tile); GEMM2 with and without its early weight loads. silu_clamped
-    with a limit that binds: each tile shape's epilogue (swapped, split-K, 64- and 128-row) computes
-    the activation in its own code."""
+    with a limit that binds and swiglu_softcapped with caps that bend: each tile shape's epilogue
+    (swapped, split-K, 64- and 128-row) computes the activation in its own code."""
     gate, down = interface.tile_shapes(layout), interface.tile_shapes("none")
     for j in range(max(len(gate), len(down))):
         tiles = (gate[j % len(gate)], down[j % len(down)])
         for early in (True, False):
             check(interface, 200, 16, 3, 576, 320, activation=activation, layout=layout, bias=bias, tiles=tiles, early=early,
-                  limit=limit)  # fmt: skip
+                  alpha=alpha, limit=limit)  # fmt: skip
 
 
 @pytest.mark.parametrize(

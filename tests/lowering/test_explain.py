@@ -226,8 +226,9 @@ def test_recording_reports_what_compiles_inside_the_block(bf16_layer, tmp_path, 
         (Activation("silu"), "act=silu;"),
         (Activation("swigluoai", alpha=1.25, limit=3.5, interleaved=True), "act=swigluoai(alpha=1.25, limit=3.5), interleaved;"),
         (Activation("silu_clamped", limit=0.5), "act=silu_clamped(limit=0.5);"),
+        (Activation("swiglu_softcapped"), "act=swiglu_softcapped(alpha=4.0, limit=25.0);"),
     ],
-    ids=["silu", "swigluoai", "silu_clamped"],
+    ids=["silu", "swigluoai", "silu_clamped", "swiglu_softcapped"],
 )  # fmt: skip
 def test_explain_names_the_parameters_each_activation_reads(activation, text):
     """The recipe shows the activation's alpha and limit where the kind reads them (moe_ops.activation.

@@ -988,6 +988,8 @@ RECIPES = {
     "swigluoai_alpha_limit": (torch.float32, Q.UNQUANTIZED, moe_ops.Activation("swigluoai", alpha=1.2, limit=1.5), True, False),
     # DeepSeek-V4's clamps on plain SwiGLU: gate_up passes the limit on (and the pass's recipe names it).
     "silu_clamped": (torch.float32, Q.UNQUANTIZED, moe_ops.Activation("silu_clamped", limit=0.5), False, False),
+    # Inkling-2's softcaps (small ones, which bend): gate_up passes both on.
+    "swiglu_softcapped": (torch.float32, Q.UNQUANTIZED, moe_ops.Activation("swiglu_softcapped", alpha=0.5, limit=0.75), False, False),
     # Ungated: w13 is [E, I, H] and gate_up's output [P, I], not half of GEMM1's width. With
     # gate_up's fake impl halving it for relu2 too, every other test passed and every relu2 layer
     # failed to compile under the lowering.

@@ -141,6 +141,8 @@ CASES = {
     "swigluoai_interleaved_bias": dict(act=Activation("swigluoai", interleaved=True), bias=True),
     # DeepSeek-V4's clamps, with a limit that binds on most gate and up sums here (~N(0, 1))
     "silu_clamped": dict(act=Activation("silu_clamped", limit=0.5)),
+    # Inkling-2's softcaps, small enough to bend most sums here
+    "swiglu_softcapped": dict(act=Activation("swiglu_softcapped", alpha=0.5, limit=0.75, interleaved=True)),
     "relu2": dict(act=Activation("relu2")),
     "expert_map": dict(act=Activation(), expert_map=True),
 }

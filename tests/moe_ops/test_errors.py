@@ -220,7 +220,7 @@ BAD_FUSED = [
      r"w2_bias: expected shape \(4, 32\)"),
     # activation, config type, apply_router_weight_on_input
     ("activation_unknown", _with(activation="swish"), ValueError,
-     r"activation: got 'swish'; allowed: 'silu', 'gelu', 'gelu_tanh', 'swigluoai', 'silu_clamped', 'relu2'"),
+     r"activation: got 'swish'; allowed: 'silu', 'gelu', 'gelu_tanh', 'swigluoai', 'silu_clamped', 'swiglu_softcapped', 'relu2'"),
     ("activation_not_str", _with(activation=3), TypeError, r"activation: expected a str or moe_ops.Activation, got int"),
     ("relu2_with_2I_rows", _with(activation="relu2"), ValueError, r"w13: activation 'relu2' needs 16 rows per expert \(I with I=16"),
     ("quant_config_is_scheme", _with(quant_config=quant.UNQUANTIZED), TypeError,
@@ -733,9 +733,12 @@ def test_nan_logits_do_not_crash_routing(kwargs):
     [
         (lambda: moe_ops.Activation("relu2", interleaved=True), r"activation: 'relu2' has no gate, so interleaved=True means nothing"),
         (lambda: moe_ops.Activation("swigluoai", limit=0.0), r"activation.limit: got 0.0; allowed: > 0"),
-        (lambda: moe_ops.Activation("SiLU"), r"activation: got 'SiLU'; allowed: 'silu', 'gelu', 'gelu_tanh', 'swigluoai', 'silu_clamped', 'relu2'"),
+        # a softcap divides by its cap: 0 would make NaNs, a negative one flip the sign
+        (lambda: moe_ops.Activation("swiglu_softcapped", alpha=0.0), r"activation.alpha: got 0.0; allowed: > 0"),
+        (lambda: moe_ops.Activation("swiglu_softcapped", alpha=-4.0), r"activation.alpha: got -4.0; allowed: > 0"),
+        (lambda: moe_ops.Activation("SiLU"), r"activation: got 'SiLU'; allowed: 'silu', 'gelu', 'gelu_tanh', 'swigluoai', 'silu_clamped', 'swiglu_softcapped', 'relu2'"),
     ],
-    ids=["relu2_interleaved", "limit_0", "unknown_kind"],
+    ids=["relu2_interleaved", "limit_0", "softcap_0", "softcap_negative", "unknown_kind"],
 )
 def test_activation_rejects(build, match):
     with pytest.raises(ValueError, match=match):
@@ -749,12 +752,12 @@ def test_activation_rejects(build, match):
     [
         (lambda: moe_ops.Activation(["silu"]), TypeError, r"activation.kind: expected a str, got list \['silu'\]"),
         (lambda: moe_ops.Activation("silu", interleaved="no"), TypeError, r"activation.interleaved: expected a bool, got str 'no'"),
-        (lambda: moe_ops.Activation("swigluoai", alpha=None), TypeError, r"activation.alpha: expected a real number, got NoneType None"),
+        (lambda: moe_ops.Activation("swigluoai", alpha="1.7"), TypeError, r"activation.alpha: expected a real number, got str '1.7'"),
         (lambda: moe_ops.Activation("swigluoai", limit="7"), TypeError, r"activation.limit: expected a real number, got str '7'"),
         (lambda: moe_ops.Activation("swigluoai", alpha=float("nan")), ValueError, r"activation.alpha: got nan"),
         (lambda: moe_ops.Activation("swigluoai", alpha=True), TypeError, r"activation.alpha: expected a real number, got bool True"),
     ],
-    ids=["kind_list", "interleaved_str", "alpha_none", "limit_str", "alpha_nan", "alpha_bool"],
+    ids=["kind_list", "interleaved_str", "alpha_str", "limit_str", "alpha_nan", "alpha_bool"],
 )
 def test_activation_rejects_field_types(build, exc, match):
     with pytest.raises(exc, match=match):
@@ -793,9 +796,11 @@ def test_expert_intermediates_rejects(no_ops, mutate, exc, match):
 _IDS = torch.zeros(3, 2, dtype=torch.int32)
 BAD_OPS = [
     ("activation_unknown_kind", lambda: (torch.ops.moe_ops.activation, (torch.randn(3, 8), "swish", 1.702, 7.0, False)),
-     ValueError, r"kind: got 'swish'; allowed: 'silu', 'gelu', 'gelu_tanh', 'swigluoai', 'silu_clamped', 'relu2'"),
+     ValueError, r"kind: got 'swish'; allowed: 'silu', 'gelu', 'gelu_tanh', 'swigluoai', 'silu_clamped', 'swiglu_softcapped', 'relu2'"),
     ("activation_odd_interleaved", lambda: (torch.ops.moe_ops.activation, (torch.randn(3, 7), "swigluoai", 1.702, 7.0, True)),
      ValueError, r"x: 'swigluoai' splits each row into gate and up halves; the width must be even, got shape \(3, 7\)"),
+    ("activation_softcap_0", lambda: (torch.ops.moe_ops.activation, (torch.randn(3, 8), "swiglu_softcapped", 4.0, 0.0, False)),
+     ValueError, r"activation.limit: got 0.0; allowed: > 0"),
     ("activation_odd", lambda: (torch.ops.moe_ops.activation, (torch.randn(3, 7), "silu", 1.702, 7.0, False)),
      ValueError, r"x: 'silu' splits each row into gate and up halves; the width must be even"),
     ("activation_relu2_interleaved", lambda: (torch.ops.moe_ops.activation, (torch.randn(3, 8), "relu2", 1.702, 7.0, True)),

@@ -293,6 +293,9 @@ ACTIVATION_CASES = {
     "silu_interleaved": Activation("silu", interleaved=True),
     "silu_clamped_limit": Activation("silu_clamped", limit=1.5),
     "silu_clamped_interleaved": Activation("silu_clamped", limit=1.5, interleaved=True),
+    # Inkling-2's softcaps, small enough to bend most of these sums (the defaults 4 and 25 would barely).
+    "swiglu_softcapped": Activation("swiglu_softcapped", alpha=1.0, limit=2.0),
+    "swiglu_softcapped_interleaved": Activation("swiglu_softcapped", alpha=1.0, limit=2.0, interleaved=True),
     "relu2": Activation("relu2"),
 }
 
@@ -302,7 +305,7 @@ ACTIVATION_CASES = {
 def test_activation_vs_float64(case, dtype):
     act = ACTIVATION_CASES[case]
     num_experts, hidden, inter, m, top_k = 6, 64, 48, 37, 2
-    swiglu = act.kind in ("swigluoai", "silu_clamped")
+    swiglu = act.kind in ("swigluoai", "silu_clamped", "swiglu_softcapped")
     x, w13, w2, tw, ids = random_layer(m, hidden, inter, num_experts, top_k, act.gated, dtype, w_scale=3.0 if swiglu else 1.0)
     b13 = b2 = None
     if swiglu:  # gpt-oss has biases; pre-activations exceed the limit so the clamps are exercised

@@ -417,17 +417,37 @@ def _silu_clamped(g, u, alpha, limit):
     return g / (1 + torch.exp(-g)) * u
 
 
+def _swiglu_softcapped(g, u, alpha, limit):
+    return alpha * torch.tanh(g / alpha) / (1 + torch.exp(-g)) * (limit * torch.tanh(u / limit))
+
+
 # float64, from each kind's definition: SwiGLU, exact and tanh GELU gates, gpt-oss's clamped SwiGLU (gate
 # clamped above at limit, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)), the same
-# clamps on plain SwiGLU (DeepSeek-V4: no alpha, no + 1), relu^2.
+# clamps on plain SwiGLU (DeepSeek-V4: no alpha, no + 1), Inkling-2's softcapped SwiGLU (the gate factor
+# and up softcapped at alpha and limit, the sigmoid of the raw gate), relu^2.
 EXPECTED_ACTIVATION = {
     "silu": lambda g, u, alpha, limit: g / (1 + torch.exp(-g)) * u,
     "gelu": lambda g, u, alpha, limit: 0.5 * g * (1 + torch.erf(g / math.sqrt(2))) * u,
     "gelu_tanh": lambda g, u, alpha, limit: 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * u,
     "swigluoai": _swigluoai,
     "silu_clamped": _silu_clamped,
+    "swiglu_softcapped": _swiglu_softcapped,
     "relu2": lambda g, u, alpha, limit: g.clamp(min=0) ** 2,
 }
+
+
+def test_activation_parameters_default_per_kind():
+    """An omitted alpha or limit takes the kind's own default (DEFAULTS): Inkling-2's softcaps for
+    swiglu_softcapped, not gpt-oss's numbers; a given one is kept. Kinds reading neither keep
+    swigluoai's, which the kernels' compile keys also use for them."""
+    from moe_ops.activation import DEFAULTS, PARAMETERS
+
+    assert (moe_ops.Activation("swiglu_softcapped").alpha, moe_ops.Activation("swiglu_softcapped").limit) == (4.0, 25.0)
+    assert (moe_ops.Activation("swigluoai").alpha, moe_ops.Activation("swigluoai").limit) == (1.702, 7.0)
+    assert moe_ops.Activation("silu_clamped").limit == 7.0
+    assert moe_ops.Activation("swiglu_softcapped", limit=30.0) == moe_ops.Activation("swiglu_softcapped", alpha=4.0, limit=30.0)
+    assert moe_ops.Activation("silu") == moe_ops.Activation("silu", alpha=1.702, limit=7.0)
+    assert set(PARAMETERS) == set(DEFAULTS) <= set(moe_ops.ACTIVATIONS)
 
 
 def test_activation_kinds_covered():
@@ -438,7 +458,9 @@ def test_activation_kinds_covered():
     assert covered == wanted
 
 
-ACT_CASES = [(kind, inter) for kind in ("silu", "gelu", "gelu_tanh", "swigluoai", "silu_clamped") for inter in (False, True)]
+ACT_CASES = [
+    (kind, inter) for kind in ("silu", "gelu", "gelu_tanh", "swigluoai", "silu_clamped", "swiglu_softcapped") for inter in (False, True)
+]
 ACT_CASES.append(("relu2", False))
 
 
@@ -454,7 +476,8 @@ def _gate_up64(x: torch.Tensor, kind: str, interleaved: bool):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation(kind, interleaved, dtype):
     """Gated kinds split [R, 2I] into gate/up halves ([gate | up] or alternating columns) and return [R, I];
-    relu2 maps [R, I] to [R, I]; random alpha and limit (only the clamped kinds read them) clamp some values."""
+    relu2 maps [R, I] to [R, I]; random alpha and limit (only the clamped and softcapped kinds read them)
+    clamp or cap some values."""
     rows, width = int(torch.randint(1, 9, ())), 32
     alpha, limit = 0.5 + 2 * torch.rand(()).item(), 1 + 3 * torch.rand(()).item()
     x = (torch.randn(rows, width) * 3).to(dtype)

@@ -205,7 +205,7 @@ def test_grouped_gemm_column_major_weight(m):
 @pytest.mark.parametrize(
     "kind,interleaved", [("silu", False), ("gelu", False), ("gelu_tanh", False), ("swigluoai", False),
                          ("swigluoai", True), ("silu_clamped", False), ("silu_clamped", True), ("silu", True),
-                         ("relu2", False)]
+                         ("swiglu_softcapped", False), ("swiglu_softcapped", True), ("relu2", False)]
 )  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation(kind, interleaved, m, dtype):
