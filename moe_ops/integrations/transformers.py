@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import operator
 import sys
 
 import torch
@@ -44,7 +45,7 @@ _ACT_FUNCTIONS = ((torch.nn.functional.silu, "silu"), (torch.nn.functional.gelu,
 
 
 # Experts classes whose own _apply_gate moe_ops computes, by class name: (kind, the attribute holding
-# alpha, the one holding limit), read from the module. Kind None: the default gate with act_fn, which
+# alpha, the one holding limit; dotted paths reach into act_fn), read from the module. Kind None: the default gate with act_fn, which
 # the class only computes in float32, as moe_ops computes every activation. Named, not guessed from
 # attributes: a gate with gpt-oss's attribute names and other arithmetic would be silently wrong. Each
 # entry's _apply_gate was read in transformers 5.24 (models/<type>/modeling_<type>.py).
@@ -58,6 +59,9 @@ CUSTOM_GATES = {
     "Glm5NextTextExperts": ("silu_clamped", None, "swiglu_limit"),
     "HYV4Experts": ("silu_clamped", None, "swiglu_limit"),
     "HYV4VLExperts": ("silu_clamped", None, "swiglu_limit"),
+    # act_fn(gate, up): gate_softcap(gate) * sigmoid(gate) * up_softcap(up), softcap(x) = cap * tanh(x / cap)
+    "Inkling2Experts": ("swiglu_softcapped", "act_fn.gate_softcap.softcap", "act_fn.up_softcap.softcap"),
+    "Inkling2LoopExperts": ("swiglu_softcapped", "act_fn.gate_softcap.softcap", "act_fn.up_softcap.softcap"),
     # (act_fn(gate.float()) * up.float()).to(gate.dtype)
     "BeamExperts": (None, None, None),
 }
@@ -89,8 +93,8 @@ def experts_activation(experts: torch.nn.Module) -> Activation:
             )
         kind, alpha, limit = entry
         if kind is not None:
-            params = {"alpha": float(getattr(experts, alpha))} if alpha else {}
-            return Activation(kind, limit=float(getattr(experts, limit)), interleaved=interleaved, **params)
+            params = {"alpha": float(operator.attrgetter(alpha)(experts))} if alpha else {}
+            return Activation(kind, limit=float(operator.attrgetter(limit)(experts)), interleaved=interleaved, **params)
     act_fn = getattr(experts, "act_fn", None)
     act_name = type(act_fn).__name__
     kind = _ACT_FN.get(act_name)

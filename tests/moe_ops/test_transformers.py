@@ -527,7 +527,8 @@ def test_router_weights_in_a_half_dtype_are_taken(weight_dtype, spy):
 
 
 # CUSTOM_GATES' classes by model type, with the Activation each must map to for _custom_gate_experts'
-# alpha (1.3) and limit (0.8: with unit-variance weights and inputs the clamps bind on most elements).
+# alpha (1.3) and limit (0.8: with unit-variance weights and inputs the clamps bind on most elements), or
+# softcaps (1.5 for the gate, 2.5 for up: they bend most elements).
 CUSTOM_GATE_CASES = {
     "deepseek_v4": ("DeepseekV4Experts", moe_ops.Activation("silu_clamped", limit=0.8)),
     "glm5_next": ("Glm5NextTextExperts", moe_ops.Activation("silu_clamped", limit=0.8)),
@@ -537,6 +538,8 @@ CUSTOM_GATE_CASES = {
     "openai_privacy_filter": ("OpenAIPrivacyFilterExperts", moe_ops.Activation("swigluoai", alpha=1.3, limit=0.8)),
     "gpt_oss": ("GptOssExperts", moe_ops.Activation("swigluoai", alpha=1.3, limit=0.8, interleaved=True)),
     "beam": ("BeamExperts", moe_ops.Activation("silu")),
+    "inkling2": ("Inkling2Experts", moe_ops.Activation("swiglu_softcapped", alpha=1.5, limit=2.5)),
+    "inkling2_loop": ("Inkling2LoopExperts", moe_ops.Activation("swiglu_softcapped", alpha=1.5, limit=2.5)),
 }
 
 
@@ -544,8 +547,9 @@ def _custom_gate_experts(model_type: str, cls: str, seed=0):
     """One float32 experts module of that model type (4 experts, H 64, I 32), unit-variance weights."""
     module = pytest.importorskip(f"transformers.models.{model_type}.modeling_{model_type}")
     cfg = transformers.PretrainedConfig(
-        num_local_experts=4, num_experts=4, hidden_size=COMMON["hidden_size"], intermediate_size=32,
-        moe_intermediate_size=32, hidden_act="silu", swiglu_limit=0.8, swiglu_alpha=1.3,
+        num_local_experts=4, num_experts=4, n_routed_experts=4, hidden_size=COMMON["hidden_size"], intermediate_size=32,
+        moe_intermediate_size=32, hidden_act="silu", swiglu_limit=0.8, swiglu_alpha=1.3, mlp_gate_softcap=1.5,
+        mlp_up_softcap=2.5,
     )  # fmt: skip
     experts = getattr(module, cls)(cfg)
     g = generator(seed)
@@ -562,10 +566,10 @@ def test_custom_gates_cover_the_table():
 @pytest.mark.parametrize("model_type", list(CUSTOM_GATE_CASES))
 def test_custom_gates_match_their_eager_forward(model_type, spy):
     """Each experts class of CUSTOM_GATES (transformers' _apply_gate of its own: gpt-oss's clamped SwiGLU
-    under other attribute names, DeepSeek-V4's clamps on plain SiLU, Beam's SiLU in float32) maps to
-    the Activation that computes it, with alpha and limit read from the module, and moe_ops' output
-    equals the class's own eager forward where the clamps bind. The same module with the other
-    clamped kind's arithmetic is far off, so the comparison tells them apart."""
+    under other attribute names, DeepSeek-V4's clamps on plain SiLU, Beam's SiLU in float32, Inkling-2's
+    softcapped SwiGLU) maps to the Activation that computes it, with alpha and limit read from the
+    module, and moe_ops' output equals the class's own eager forward where the clamps and caps bind. The
+    same module with another kind's arithmetic is far off, so the comparison tells them apart."""
     cls, want = CUSTOM_GATE_CASES[model_type]
     experts = _custom_gate_experts(model_type, cls)
     assert INTEGRATION.experts_activation(experts) == want
@@ -574,7 +578,7 @@ def test_custom_gates_match_their_eager_forward(model_type, spy):
     assert len(spy) == 1 and spy[0]["activation"] == want
     assert eager.abs().max() > 0
     assert relative_error(ours, eager) <= TOL
-    other = {"silu_clamped": "swigluoai", "swigluoai": "silu_clamped", "silu": "silu_clamped"}[want.kind]
+    other = {"silu_clamped": "swigluoai", "swigluoai": "silu_clamped", "silu": "silu_clamped", "swiglu_softcapped": "silu"}[want.kind]
     wrong = moe_ops.fused_experts(
         inputs[0], *_stacked(experts), inputs[2], inputs[1], activation=dataclasses.replace(want, kind=other),
         w13_bias=getattr(experts, "gate_up_proj_bias", None), w2_bias=getattr(experts, "down_proj_bias", None),
