@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Node
 
+from moe_ops.expert_norm import NO_KERNEL as _NORM_NO_KERNEL
+
 OPS = {
     "quantize": torch.ops.moe_ops.quantize.default,
     "grouped_gemm": torch.ops.moe_ops.grouped_gemm.default,
@@ -108,6 +110,8 @@ def match(reduce: Node) -> Chain:
     """The chain ending at `reduce`; raises ValueError saying why there is none to fuse."""
     r = op_args(reduce)
     gemm2 = r["y"]
+    if isinstance(gemm2, Node) and gemm2.target == torch.ops.moe_ops.post_expert_norm.default:
+        raise ValueError(f"the reduced rows come from {_NORM_NO_KERNEL}")
     if not is_op(gemm2, "grouped_gemm"):
         raise ValueError("the reduced rows do not come from a moe_ops.grouped_gemm")
     g2 = op_args(gemm2)

@@ -1,7 +1,8 @@
 """moe_ops: Mixture-of-Experts layers as torch.library custom ops (namespace moe_ops) that compile with
 torch.compile and capture in CUDA graphs, with plain-PyTorch reference kernels for every device.
 
-Public API: fused_experts, route, expert_intermediates (calibration samples for static scales), FusedMoE, Activation, the quantization vocabulary (moe_ops.quant),
+Public API: fused_experts, route, expert_intermediates (calibration samples for static scales), FusedMoE, Activation,
+PostExpertNorm, the quantization vocabulary (moe_ops.quant),
 support_table() for which backend serves which scheme where, and value_checks(False) to skip the eager
 checks that read tensor values (and their host synchronisation).
 """
@@ -9,6 +10,7 @@ from . import quant
 from ._checks import value_checks
 from .activation import ACTIVATIONS, Activation
 from .backends import support_table
+from .expert_norm import PostExpertNorm
 from .fused_experts import expert_intermediates, fused_experts
 from .quant import QuantConfig, QuantScheme
 from .integrations.transformers import install_hook as _install_transformers_hook
@@ -20,6 +22,7 @@ __all__ = [
     "ACTIVATIONS",
     "Activation",
     "FusedMoE",
+    "PostExpertNorm",
     "QuantConfig",
     "QuantScheme",
     "expert_intermediates",

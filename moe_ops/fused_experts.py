@@ -1,7 +1,7 @@
 """fused_experts: the MoE experts computation as a chain of moe_ops custom ops.
 
 routing_plan -> [quantize] -> grouped_gemm (gathers tokens) -> activation -> [quantize] -> grouped_gemm
--> weighted_reduce. Each op appears as one node in a compiled graph, which is what the lowering fuses.
+-> [post_expert_norm] -> weighted_reduce. Each op appears as one node in a compiled graph, which is what the lowering fuses.
 An eager call on a Hopper GPU runs the CuTe DSL kernels directly instead (eager_kernels.py).
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from . import _checks, eager_kernels
 from .activation import Activation, resolve_activation
 from .activation import activation as activation_op
 from .backends import check_device_supports
+from .expert_norm import PostExpertNorm, post_expert_norm as post_expert_norm_op
 from .gemm import grouped_gemm
 from .plan import routing_plan
 from .quant.config import QuantConfig
@@ -49,7 +50,8 @@ def _check_expert_map(expert_map, num_experts: int) -> int:
 
 
 def check_inputs(
-    hidden_states, w13, w2, topk_weights, topk_ids, act: Activation, config: QuantConfig, w13_bias, w2_bias, expert_map
+    hidden_states, w13, w2, topk_weights, topk_ids, act: Activation, config: QuantConfig, w13_bias, w2_bias, expert_map,
+    norm: PostExpertNorm | None = None,
 ) -> LayerShape:
     """Validate everything fused_experts receives; raise ValueError/TypeError naming the argument."""
     for name, t in (("hidden_states", hidden_states), ("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
@@ -69,6 +71,7 @@ def check_inputs(
     device = _checks.expect_same_device(
         {"hidden_states": hidden_states, "w13": w13, "w2": w2, "topk_weights": topk_weights, "topk_ids": topk_ids,
          "w13_bias": w13_bias, "w2_bias": w2_bias, "expert_map": expert_map,
+         "post_expert_norm.weight": None if norm is None else norm.weight,
          **{f"quant_config.{k}": v for k, v in config.tensors().items()}}
     )  # fmt: skip
     m, hidden = hidden_states.shape
@@ -108,6 +111,8 @@ def check_inputs(
     num_global = _check_expert_map(expert_map, num_experts)
     if top_k > num_global:
         raise ValueError(f"topk_ids: top_k={top_k} is larger than the number of experts E={num_global}")
+    if norm is not None:
+        _checks.expect_shape("post_expert_norm.weight", norm.weight, (hidden,), "[H]")
     for name, bias, n in (("w13_bias", w13_bias, n13), ("w2_bias", w2_bias, hidden)):
         if bias is not None:
             _checks.expect_tensor(name, bias)
@@ -144,6 +149,7 @@ def fused_experts(
     w2_bias: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
     apply_router_weight_on_input: bool = False,
+    post_expert_norm: PostExpertNorm | None = None,
 ) -> torch.Tensor:
     """The experts of a MoE layer: out[m] = sum_j topk_weights[m, j] * expert_{topk_ids[m, j]}(hidden_states[m]).
 
@@ -153,7 +159,8 @@ def fused_experts(
     Quantized schemes store w13/w2 as QuantConfig describes (packed formats hold K/2 columns).
     expert_map [E_global] maps global ids to local ones, -1 for experts on other ranks (they contribute
     nothing). apply_router_weight_on_input multiplies the input by the weight instead (top_k == 1).
-    Returns [M, H] in hidden_states' dtype.
+    post_expert_norm normalizes each expert's output before the router weights it (MuseSpark; the op
+    chain only, expert_norm.py). Returns [M, H] in hidden_states' dtype.
 
     Eager calls check expert ids against [0, E_global) (a host sync); compiled and CUDA-graph-captured
     calls skip that check and treat an out-of-range id like an expert on another rank. An eager call on
@@ -166,6 +173,8 @@ def fused_experts(
             f"apply_router_weight_on_input: expected a bool, got {type(apply_router_weight_on_input).__name__} "
             f"{apply_router_weight_on_input!r}"
         )
+    if post_expert_norm is not None and not isinstance(post_expert_norm, PostExpertNorm):
+        raise TypeError(f"post_expert_norm: expected moe_ops.PostExpertNorm or None, got {type(post_expert_norm).__name__}")
     config = quant_config if quant_config is not None else _UNQUANTIZED_CONFIG
     if not isinstance(config, QuantConfig):
         raise TypeError(f"quant_config: expected moe_ops.QuantConfig or None, got {type(config).__name__}")
@@ -174,14 +183,17 @@ def fused_experts(
             raise ValueError(f"{name}: given both as an argument and in quant_config; give it once")
     w13_bias = w13_bias if w13_bias is not None else config.w13_bias
     w2_bias = w2_bias if w2_bias is not None else config.w2_bias
-    shape = check_inputs(hidden_states, w13, w2, topk_weights, topk_ids, act, config, w13_bias, w2_bias, expert_map)
+    shape = check_inputs(
+        hidden_states, w13, w2, topk_weights, topk_ids, act, config, w13_bias, w2_bias, expert_map, post_expert_norm
+    )
     if apply_router_weight_on_input:
         if shape.top_k != 1:
             raise ValueError(f"apply_router_weight_on_input: needs top_k == 1, got top_k={shape.top_k}")
         hidden_states = (hidden_states.float() * topk_weights).to(hidden_states.dtype)
         topk_weights = torch.ones_like(topk_weights)
 
-    if eager_kernels.applies(hidden_states):
+    # With a post-expert norm the chain runs (no kernel has that stage): the norm op warns on CUDA.
+    if post_expert_norm is None and eager_kernels.applies(hidden_states):
         x, weights = hidden_states.contiguous(), topk_weights.contiguous()
         interface, why = eager_kernels.why_not(x, w13, w2, weights, act, config, w13_bias, w2_bias)
         if why is None:
@@ -208,6 +220,8 @@ def fused_experts(
         w2, t2["w_scale"], t2["w_global_scale"], t2["w_zero"], w_dtype, w_group,
         w2_bias, offsets, None, out_dtype,
     )  # fmt: skip
+    if post_expert_norm is not None:
+        y = post_expert_norm_op(y, post_expert_norm.weight, float(post_expert_norm.eps))
     return weighted_reduce(y, topk_weights, inverse, offsets)
 
 

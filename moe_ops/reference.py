@@ -113,13 +113,16 @@ def moe_float64(
     apply_router_weight_on_input: bool = False,
     act_quant=None,
     intermediate_dtype: torch.dtype | None = None,
+    post_expert_norm=None,
 ) -> torch.Tensor:
     """float64 [M, H] on the CPU: sum_j w[m, j] * (act(x_m @ w13[e].T + b13[e]) @ w2[e].T + b2[e]).
 
     w13/w2 are float weights in the logical layout ([E, 2I, H], [E, H, I]); act_quant, if given, is
     (dtype, group, a13_scale, a2_scale, a13_global_scale, a2_global_scale) and re-applies activation
     quantization to each GEMM's input; intermediate_dtype rounds the GEMM1 output and the activation
-    output to that dtype, as a layer running in it stores them.
+    output to that dtype, as a layer running in it stores them (and GEMM2's output and its norm's
+    steps). post_expert_norm (a moe_ops.PostExpertNorm: weight, eps), if given, replaces each expert's
+    output y by s / sqrt(mean(s^2) + eps) with s = y * (1 + weight) before the router weight.
     """
     # Read the activation's fields here rather than through moe_ops' own resolve_activation: a bug there
     # (a parameter lost on the way) would otherwise reach the ops and this check alike.
@@ -165,5 +168,9 @@ def moe_float64(
         start += len(tok)
         if w2_bias is not None:
             y = y + w2_bias[e].double().cpu()
+        if post_expert_norm is not None:
+            scale = (1 + post_expert_norm.weight.detach()).double().cpu()  # 1 + weight in the weight's dtype
+            s = rnd(rnd(y) * scale)
+            y = s / torch.sqrt((s * s).mean(dim=1, keepdim=True) + post_expert_norm.eps)
         out.index_add_(0, tok, rnd(y) * tw[tok, slot].unsqueeze(1))
     return out

@@ -3,7 +3,8 @@
 After `import moe_ops`, `from_pretrained(..., experts_implementation="moe_ops")` or
 `config._experts_implementation = "moe_ops"` runs every `@use_experts_implementation` experts module
 through moe_ops.fused_experts; one whose gating moe_ops cannot express (a custom _apply_gate not in
-CUSTOM_GATES, a post-expert norm, an unknown act_fn) raises NotImplementedError saying which. The experts
+CUSTOM_GATES, a post-expert norm not in POST_EXPERT_NORMS, an unknown act_fn) raises NotImplementedError
+saying which. The experts
 class's flags are honoured: concatenated or interleaved
 gate/up (is_concatenated), transposed weights (is_transposed: read as column-major views, no copy;
 row_major_experts re-stores them in place for the CuTe DSL kernels, which read row-major experts),
@@ -22,6 +23,7 @@ import sys
 import torch
 
 from ..activation import Activation
+from ..expert_norm import PostExpertNorm
 from ..fused_experts import fused_experts
 
 NAME = "moe_ops"
@@ -67,6 +69,26 @@ CUSTOM_GATES = {
 }
 
 
+# post_expert_norm modules (has_post_expert_norm=True) that moe_ops.PostExpertNorm computes, by class name:
+# x.float() * (1 + weight).float(), rounded to x's dtype, then x * rsqrt(mean(x^2) + eps) (transformers 5.24).
+POST_EXPERT_NORMS = ("MuseSparkTextInputScaledRMSNorm",)
+
+
+def experts_norm(experts: torch.nn.Module) -> PostExpertNorm | None:
+    """The moe_ops PostExpertNorm of an experts module's post-expert norm, None without one, or
+    NotImplementedError."""
+    if not getattr(experts, "has_post_expert_norm", False):
+        return None
+    norm = getattr(experts, "post_expert_norm", None)
+    name = type(norm).__name__
+    if name not in POST_EXPERT_NORMS:
+        raise NotImplementedError(
+            f"{type(experts).__name__}: its post-expert norm {name} has no moe_ops equivalent (moe_ops computes "
+            f"{', '.join(POST_EXPERT_NORMS)})"
+        )
+    return PostExpertNorm(norm.weight, float(norm.eps))
+
+
 def _custom_gate(experts: torch.nn.Module, apply_gate) -> tuple | None:
     """The CUSTOM_GATES entry of the class that defines the _apply_gate this module runs (a subclass
     overriding it again is not that entry's arithmetic), or None."""
@@ -80,8 +102,6 @@ def experts_activation(experts: torch.nn.Module) -> Activation:
     """The moe_ops Activation equivalent to an experts module's gating, or NotImplementedError."""
     cls = type(experts).__name__
     interleaved = not getattr(experts, "is_concatenated", True)
-    if getattr(experts, "has_post_expert_norm", False):
-        raise NotImplementedError(f"{cls}: has_post_expert_norm is not supported by moe_ops")
     apply_gate = getattr(type(experts), "_apply_gate", None)
     default_gate = getattr(sys.modules.get(_MODULE), "_default_apply_gate", None)
     if experts.has_gate and apply_gate is not None and apply_gate is not default_gate:
@@ -141,6 +161,7 @@ def moe_ops_experts_forward(
     out = fused_experts(
         hidden_states.to(w13.dtype), w13, w2, top_k_weights.float(), ids,
         activation=experts_activation(self), w13_bias=b13, w2_bias=b2, expert_map=expert_map,
+        post_expert_norm=experts_norm(self),
     )  # fmt: skip
     return out.to(hidden_states.dtype)
 

@@ -229,6 +229,25 @@ def test_eager_call_the_kernels_cannot_serve_warns_once(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_eager_call_with_a_post_expert_norm_runs_the_chain_and_warns_once(monkeypatch):
+    """A post-expert norm (MuseSpark) has no kernel stage: the op chain on CUDA, one warning naming the
+    norm for any number of calls, the float64 result with the norm."""
+    _hopper()
+    from moe_ops import expert_norm
+
+    monkeypatch.setattr(expert_norm, "_WARNED", set())
+    x, w13, w2, tw, ids, kw = _case("silu", 9)
+    kw["post_expert_norm"] = moe_ops.PostExpertNorm(torch.randn(H, device="cuda") * 0.3, eps=1e-6)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [moe_ops.fused_experts(x, w13, w2, tw, ids, **kw) for _ in range(3)]
+    messages = [str(w.message) for w in caught if "runs the reference" in str(w.message)]
+    assert messages == [f"moe_ops runs the reference ops on {x.device}: {expert_norm.NO_KERNEL}"], messages
+    for out in outs:
+        assert relative_error(out, _float64(x, w13, w2, tw, ids, kw)) <= tolerance(torch.bfloat16)
+
+
+@pytest.mark.gpu
 def test_eager_call_captures_in_a_cuda_graph():
     """The kernel path captured in a CUDA graph: each replay reads the routing copied into the captured
     tensors, and equals an eager call with that routing."""

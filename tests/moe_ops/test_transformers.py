@@ -654,3 +654,43 @@ def test_fused_moe_computes_deepseek_v4_routed_experts():
     assert relative_error(layer_output(), want) <= TOL
     assert relative_error(layer_output(scoring="sigmoid"), want) > 1e-2
     assert relative_error(layer_output(activation=moe_ops.Activation("swigluoai", alpha=1.0, limit=0.8)), want) > 1e-2
+
+
+def _muse_spark_experts(seed=0):
+    """MuseSpark's float32 experts (4 experts, H 64, I 32) with its post-expert norm (input-scaled RMS)."""
+    module = pytest.importorskip("transformers.models.muse_spark.modeling_muse_spark")
+    cfg = transformers.PretrainedConfig(
+        num_local_experts=4, moe_hidden_size=COMMON["hidden_size"], moe_intermediate_size=32, hidden_act="silu",
+        post_norm_eps=1e-5,
+    )  # fmt: skip
+    experts = module.MuseSparkExperts(cfg)
+    g = generator(seed)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return experts
+
+
+def test_post_expert_norm_matches_its_eager_forward(spy):
+    """MuseSpark's experts normalize each expert's output row (scaled by 1 + weight) before the router
+    weight: the integration passes the norm's weight and eps as a PostExpertNorm and the output equals the
+    class's own eager forward; the same call without the norm is far off."""
+    experts = _muse_spark_experts()
+    norm = INTEGRATION.experts_norm(experts)
+    assert norm.weight is experts.post_expert_norm.weight and norm.eps == 1e-5
+    inputs = _routing(22)
+    eager, ours = _eager_and_ours(experts, *inputs)
+    assert len(spy) == 1 and spy[0]["post_expert_norm"] is not None
+    assert relative_error(ours, eager) <= TOL
+    plain = moe_ops.fused_experts(inputs[0], experts.gate_up_proj, experts.down_proj, inputs[2], inputs[1])
+    assert relative_error(plain, eager) > 1e-1
+
+
+def test_unknown_post_expert_norm_is_refused_by_name():
+    """A post-expert norm of a class moe_ops does not compute (another norm's arithmetic) raises
+    NotImplementedError naming the experts class and the norm's."""
+    experts = _muse_spark_experts()
+    experts.post_expert_norm = torch.nn.LayerNorm(COMMON["hidden_size"])
+    with pytest.raises(NotImplementedError, match=r"MuseSparkExperts: its post-expert norm LayerNorm has no moe_ops equivalent"):
+        INTEGRATION.experts_norm(experts)
+    assert INTEGRATION.experts_norm(_mixtral_experts()) is None
