@@ -1,8 +1,8 @@
 """fused_experts: the MoE experts computation as a chain of moe_ops custom ops.
 
 routing_plan -> [quantize] -> grouped_gemm (gathers tokens) -> activation -> [quantize] -> grouped_gemm
--> [post_expert_norm] -> weighted_reduce. Each op appears as one node in a compiled graph, which is what the lowering fuses.
-An eager call on a Hopper GPU runs the CuTe DSL kernels directly instead (eager_kernels.py).
+-> [post_expert_norm] -> weighted_reduce. Each op appears as one node in a compiled graph, which is what
+the lowering fuses. An eager call on a Hopper GPU runs the CuTe DSL kernels directly instead (eager_kernels.py).
 """
 from __future__ import annotations
 

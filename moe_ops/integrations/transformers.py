@@ -4,13 +4,12 @@ After `import moe_ops`, `from_pretrained(..., experts_implementation="moe_ops")`
 `config._experts_implementation = "moe_ops"` runs every `@use_experts_implementation` experts module
 through moe_ops.fused_experts; one whose gating moe_ops cannot express (a custom _apply_gate not in
 CUSTOM_GATES, a post-expert norm not in POST_EXPERT_NORMS, an unknown act_fn) raises NotImplementedError
-saying which. The experts
-class's flags are honoured: concatenated or interleaved
-gate/up (is_concatenated), transposed weights (is_transposed: read as column-major views, no copy;
+saying which. The experts class's flags are honoured: concatenated or interleaved gate/up
+(is_concatenated), transposed weights (is_transposed: read as column-major views, no copy;
 row_major_experts re-stores them in place for the CuTe DSL kernels, which read row-major experts),
 biases (has_bias), has_gate, and its act_fn (an activation module, or torch.nn.functional.silu / gelu
-itself as LFM2-MoE holds it; or a CUSTOM_GATES class's own gating). Expert-parallel sentinel ids
-(>= num_experts) are dropped. Importing moe_ops does not import transformers: the implementation is
+itself as LFM2-MoE holds it; or a CUSTOM_GATES class's own gating). Expert-parallel sentinel ids (>=
+num_experts) are dropped. Importing moe_ops does not import transformers: the implementation is
 registered when transformers.integrations.moe is first imported (or at once if it already was).
 """
 from __future__ import annotations
@@ -47,10 +46,11 @@ _ACT_FUNCTIONS = ((torch.nn.functional.silu, "silu"), (torch.nn.functional.gelu,
 
 
 # Experts classes whose own _apply_gate moe_ops computes, by class name: (kind, the attribute holding
-# alpha, the one holding limit; dotted paths reach into act_fn), read from the module. Kind None: the default gate with act_fn, which
-# the class only computes in float32, as moe_ops computes every activation. Named, not guessed from
-# attributes: a gate with gpt-oss's attribute names and other arithmetic would be silently wrong. Each
-# entry's _apply_gate was read in transformers 5.24 (models/<type>/modeling_<type>.py).
+# alpha, the one holding limit; dotted paths reach into act_fn), read from the module. Kind None: the
+# default gate with act_fn, which the class only computes in float32, as moe_ops computes every
+# activation. Named, not guessed from attributes: a gate with gpt-oss's attribute names and other
+# arithmetic would be silently wrong. Each entry's _apply_gate was read in transformers 5.24
+# (models/<type>/modeling_<type>.py).
 CUSTOM_GATES = {
     # gate.clamp(max=limit) * sigmoid(alpha * that) * (up.clamp(-limit, limit) + 1)
     "GptOssExperts": ("swigluoai", "alpha", "limit"),
