@@ -7,9 +7,11 @@ gate_up(x [M, H], w [E, N, H], bias [E, N] | None, offsets [E+1], gather [P], ex
     N = 2I for gated activations ([gate; up] "concat" or "interleaved"), I for relu2. expert_ids (the
     routing plan's input, when the ids are local): a hint the kernel reads at M = 1 to start its
     weights early (moe_gemm.py); the output does not depend on it.
-down_reduce(a [P, I], w [E, H, I], bias [E, H] | None, offsets, topk_weights [M, k], inverse [P]) -> [M, H]
+down_reduce(a [P, I], w [E, H, I], bias [E, H] | None, offsets, topk_weights [M, k], inverse [P],
+            norm_weight [H] | None, norm_eps) -> [M, H]
     GEMM2 over the grouped rows into a [P, H] scratch in grouped-row order; then the deterministic
-    per-token sum of the router-weighted rows (token_sum.py).
+    per-token sum of the router-weighted rows (token_sum.py), or with norm_weight, of the rows each
+    normalized first (norm_token_sum.py).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import cutlass  # noqa: E402
 from cutlass import Int32  # noqa: E402
 
 from .moe_gemm import GATED, HINT_MAX_PAIRS, MAX_EXPERTS, Epilogue, MoeGemmSm90  # noqa: E402
+from .norm_token_sum import MAX_H as NORM_MAX_H, NormTokenSumSm90  # noqa: E402
 from .token_sum import TokenSumSm90  # noqa: E402
 
 ACTIVATIONS = (*GATED, "relu2")
@@ -203,9 +206,16 @@ def gate_up_support(*, dtype, weight_dtype, activation, gate_layout, has_bias, h
 
 @functools.lru_cache(maxsize=None)
 def down_reduce_support(*, dtype, weight_dtype, has_bias, hidden, intermediate, num_experts,
-                        weight_row_major=True, quantized=False) -> tuple[bool, str]:  # fmt: skip
+                        weight_row_major=True, quantized=False, norm_dtype=None) -> tuple[bool, str]:  # fmt: skip
+    """norm_dtype: the dtype of a post-expert norm's weight (None: no norm)."""
     why = _common(dtype, weight_dtype, hidden, intermediate, num_experts, weight_row_major, quantized)
-    return (why is None), (why or "CuTe DSL grouped GEMM + deterministic weighted reduction")
+    if why is None and norm_dtype is not None and norm_dtype not in (dtype, torch.float32):
+        why = f"a post-expert norm's weight in {norm_dtype}; the kernel takes {dtype} or torch.float32"
+    if why is None and norm_dtype is not None and hidden > NORM_MAX_H:
+        why = f"a post-expert norm over hidden={hidden}; the kernel holds rows of at most {NORM_MAX_H} in registers"
+    if why is not None:
+        return False, why
+    return True, "CuTe DSL grouped GEMM + deterministic weighted reduction" + (" of normalized rows" if norm_dtype else "")
 
 
 ALIGN_BYTES = 16  # _ptr declares every pointer this aligned: the kernels' TMA boxes and vector accesses need it
@@ -329,6 +339,20 @@ def _token_sum(dtype):
     return cc.get(f"token_sum:{dtype}", lambda: (TokenSumSm90(), token_sum_compile_args(dtype)))
 
 
+def norm_token_sum_compile_args(dtype, norm_dtype) -> tuple:
+    """Placeholder arguments with NormTokenSumSm90.__call__'s types."""
+    d, i32 = _CUTLASS_DTYPE[dtype], cutlass.Int32
+    ptrs = (cc.fake_ptr(d), cc.fake_ptr(i32), cc.fake_ptr(cutlass.Float32), cc.fake_ptr(i32), cc.fake_ptr(_CUTLASS_DTYPE[norm_dtype]), cc.fake_ptr(d))
+    return (*ptrs, *[Int32(8)] * 4, cutlass.Float32(1e-6), cc.fake_stream())
+
+
+def _norm_token_sum(dtype, norm_dtype):
+    return cc.get(
+        f"norm_token_sum:{dtype}:{norm_dtype}",
+        lambda: (NormTokenSumSm90(weight_float32=norm_dtype == torch.float32), norm_token_sum_compile_args(dtype, norm_dtype)),
+    )
+
+
 def _check_experts(w: torch.Tensor) -> None:
     if w.shape[0] > MAX_EXPERTS:
         raise ValueError(f"w: {w.shape[0]} experts; the kernels serve at most {MAX_EXPERTS} (gate_up_support and down_reduce_support decline more)")
@@ -414,28 +438,36 @@ def gate_up(
     return out
 
 
-def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None, weights_early=False):
+def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None, weights_early=False, norm_weight=None,
+                norm_eps=1e-6):  # fmt: skip
     """[M, H] = sum_j topk_weights[m, j] * (a[inverse[m*k+j]] @ w[e].T + bias[e]); see the module
     docstring. Every element of the output is written. out: an optional [M, H] destination.
+    norm_weight [H] (y's dtype or float32): each row is normalized first (norm_token_sum.py), with norm_eps.
     tiles: (tile_m, tile_n) instead of choose_tiles' (for tile sweeps).
     weights_early: the GEMM reads `offsets` and starts loading `w` before waiting for the kernel
     launched just before it on the stream (MoeGemmSm90.early_weights). Only when that kernel writes
     neither and started after both were written, as gate_up over the same plan does."""
     _check_experts(w)
     num_experts, hidden, inter = w.shape
+    _check_tensors(topk_weights=(topk_weights, (None, None), (torch.float32,)))
+    m, k = topk_weights.shape
     _check_support(down_reduce_support(
         dtype=a.dtype, weight_dtype=w.dtype, has_bias=bias is not None, hidden=hidden, intermediate=inter,
         num_experts=num_experts, weight_row_major=w.stride(2) == 1,
+        norm_dtype=getattr(norm_weight, "dtype", None),  # not a tensor: _check_tensors says so
     ))  # fmt: skip
-    _check_tensors(topk_weights=(topk_weights, (None, None), (torch.float32,)))
-    m, k = topk_weights.shape
     _check_tensors(
         a=(a, (m * k, inter), (a.dtype,)), w=(w, (num_experts, hidden, inter), (a.dtype,)),
         bias=(bias, (num_experts, hidden), _BIAS), offsets=(offsets, (num_experts + 1,), _INDEX),
         topk_weights=(topk_weights, (m, k), (torch.float32,)),
         inverse=(inverse, (m * k,), _INDEX), out=(out, (m, hidden), (a.dtype,)),
+        norm_weight=(norm_weight, (hidden,), (a.dtype, torch.float32)),
     )  # fmt: skip
-    _check_aligned(a=a, w=w, bias=bias, offsets=offsets, topk_weights=topk_weights, inverse=inverse, out=out)
+    if norm_weight is not None and not norm_eps > 0:
+        raise ValueError(f"norm_eps: got {norm_eps}; allowed: > 0")
+    _check_aligned(
+        a=a, w=w, bias=bias, offsets=offsets, topk_weights=topk_weights, inverse=inverse, out=out, norm_weight=norm_weight
+    )
     _check_support(device_support(a.device))  # last: the checks above hold on any device
     if out is None:
         out = torch.empty(m, hidden, dtype=a.dtype, device=a.device)
@@ -448,6 +480,13 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None
     fn = _gemm(epi, False, a.dtype, bias.dtype if bias is not None else a.dtype, sms, *tiles, early=bool(weights_early))
     # GEMM2 gathers nothing: inverse stands in for the gather pointer, which this variant never reads.
     _launch_gemm(fn, a, (w, w), y, offsets, inverse, bias, hidden, hidden * inter)
+    if norm_weight is not None:
+        _launch(
+            _norm_token_sum(a.dtype, norm_weight.dtype), a.device,
+            _ptr(y), _ptr(inverse), _ptr(topk_weights), _ptr(offsets), _ptr(norm_weight), _ptr(out),
+            *_int32(m, k, hidden, num_experts), float(norm_eps),
+        )  # fmt: skip
+        return out
     _launch(
         _token_sum(a.dtype), a.device,
         _ptr(y), _ptr(inverse), _ptr(topk_weights), _ptr(offsets), _ptr(out), *_int32(m, k, hidden, num_experts),
@@ -483,4 +522,6 @@ def precompile(dtype=torch.bfloat16, sms: int | None = None, bias_dtypes=(None,)
     for epi, gather, bias_dtype, tile_m, tile_n, early in variants(dtype, bias_dtypes):
         _gemm(epi, gather, dtype, bias_dtype, sms, tile_m, tile_n, early)
     _token_sum(dtype)
+    for norm_dtype in (dtype, torch.float32):
+        _norm_token_sum(dtype, norm_dtype)
     return dict(cc.timings)

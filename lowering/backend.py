@@ -59,9 +59,10 @@ def _run_gate_up(args: dict):
 def _run_down_reduce(args: dict):
     from cute_kernels import interface
 
+    norm = {} if args.get("norm_weight") is None else dict(norm_weight=args["norm_weight"], norm_eps=args["norm_eps"])
     return interface.down_reduce(
         args["a"], args["w"], args["bias"], args["expert_offsets"], args["topk_weights"], args["inverse"],
-        weights_early=args["weights_early"],
+        weights_early=args["weights_early"], **norm,
     )
 
 
@@ -90,7 +91,7 @@ def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
         return interface.gate_up_support(activation=recipe["activation"], gate_layout=gate_layout(recipe["activation"], recipe["interleaved"]), **common)
     if recipe["router_weight_dtype"] != torch.float32:
         return False, f"router weights in {recipe['router_weight_dtype']}; the kernels take float32"
-    return interface.down_reduce_support(**common)
+    return interface.down_reduce_support(norm_dtype=recipe["norm_dtype"], **common)
 
 
 def _choose(op: str, recipe: dict, device: torch.device, tensors: dict | None = None) -> Choice:
@@ -153,8 +154,9 @@ def down_reduce_recipe(args: dict) -> dict:
         num_experts=w.shape[0],
         quantized=args["a_dtype"] != "none" or args["w_dtype"] != "none",
         router_weight_dtype=args["topk_weights"].dtype,
+        norm_dtype=args["norm_weight"].dtype if args.get("norm_weight") is not None else None,
         contiguous=_contiguous(
-            args["a"], w, args["bias"], args["expert_offsets"], args["topk_weights"], args["inverse"]
+            args["a"], w, args["bias"], args["expert_offsets"], args["topk_weights"], args["inverse"], args.get("norm_weight")
         ),
         index_dtypes=_index_dtypes(args, "expert_offsets", "inverse"),
     )  # fmt: skip
@@ -163,12 +165,12 @@ def down_reduce_recipe(args: dict) -> dict:
 # The tensors the kernels take by pointer, by op: their addresses decide too (interface.misaligned).
 _POINTERS = {
     "gate_up": ("x", "w", "bias", "expert_offsets", "gather_idx"),
-    "down_reduce": ("a", "w", "bias", "expert_offsets", "topk_weights", "inverse"),
+    "down_reduce": ("a", "w", "bias", "expert_offsets", "topk_weights", "inverse", "norm_weight"),
 }
 
 
 def _pointers(op: str, args: dict) -> dict:
-    return {name: args[name] for name in _POINTERS[op]}
+    return {name: args.get(name) for name in _POINTERS[op]}
 
 
 _WARNED: set[tuple[str, str]] = set()

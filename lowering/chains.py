@@ -2,7 +2,7 @@
 
 A chain ends at each moe_ops.weighted_reduce and is read backwards:
   [quantize] -> grouped_gemm (with gather_idx) -> activation -> [quantize] -> grouped_gemm (no gather)
-  -> weighted_reduce,
+  -> [post_expert_norm] -> weighted_reduce,
 all three of the GEMMs and the reduction sharing one expert_offsets. It is fusable when every
 intermediate (the quantized inputs and their scales, both GEMM outputs, the activation output) is
 used by the chain alone; otherwise it is reported, with the reason, and left as it is.
@@ -15,13 +15,12 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Node
 
-from moe_ops.expert_norm import NO_KERNEL as _NORM_NO_KERNEL
-
 OPS = {
     "quantize": torch.ops.moe_ops.quantize.default,
     "grouped_gemm": torch.ops.moe_ops.grouped_gemm.default,
     "activation": torch.ops.moe_ops.activation.default,
     "weighted_reduce": torch.ops.moe_ops.weighted_reduce.default,
+    "post_expert_norm": torch.ops.moe_ops.post_expert_norm.default,
 }
 
 
@@ -62,12 +61,13 @@ class Chain:
     gemm1: Node
     quant1: Node | None = None
     quant2: Node | None = None
+    norm: Node | None = None  # a post_expert_norm between gemm2 and reduce
     getitems: list[Node] = field(default_factory=list)
     position: int = 0  # the chain's place among the graph's weighted_reduce nodes (explain()'s layer order)
 
     def nodes(self) -> list[Node]:
         """Every node the fused pair replaces, users before producers (the order to erase them)."""
-        order = [self.reduce, self.gemm2, *[g for g in self.getitems if g.args[0] is self.quant2], self.quant2,
+        order = [self.reduce, self.norm, self.gemm2, *[g for g in self.getitems if g.args[0] is self.quant2], self.quant2,
                  self.act, self.gemm1, *[g for g in self.getitems if g.args[0] is self.quant1], self.quant1]  # fmt: skip
         return [n for n in order if n is not None]
 
@@ -109,15 +109,15 @@ def _only_users(node: Node, allowed: set[Node], what: str) -> None:
 def match(reduce: Node) -> Chain:
     """The chain ending at `reduce`; raises ValueError saying why there is none to fuse."""
     r = op_args(reduce)
-    gemm2 = r["y"]
-    if isinstance(gemm2, Node) and gemm2.target == torch.ops.moe_ops.post_expert_norm.default:
-        raise ValueError(f"the reduced rows come from {_NORM_NO_KERNEL}")
+    gemm2, norm = r["y"], None
+    if is_op(gemm2, "post_expert_norm"):
+        norm, gemm2 = gemm2, op_args(gemm2)["y"]
     if not is_op(gemm2, "grouped_gemm"):
-        raise ValueError("the reduced rows do not come from a moe_ops.grouped_gemm")
+        raise ValueError("the reduced rows do not come from a moe_ops.grouped_gemm" + (" through the norm" if norm else ""))
     g2 = op_args(gemm2)
     if g2["gather_idx"] is not None:
         raise ValueError("the second GEMM gathers tokens, so it is not a down projection")
-    chain = Chain(reduce=reduce, gemm2=gemm2, act=None, gemm1=None)  # type: ignore[arg-type]
+    chain = Chain(reduce=reduce, gemm2=gemm2, act=None, gemm1=None, norm=norm)  # type: ignore[arg-type]
     act, _ = _input_of_gemm(gemm2, chain, "quant2")
     if not is_op(act, "activation"):
         raise ValueError("the second GEMM's input does not come from a moe_ops.activation")
@@ -145,7 +145,9 @@ def match(reduce: Node) -> Chain:
         if q1["global_scale"] is not g1["a_global_scale"]:
             raise ValueError("the first GEMM's a_global_scale is not the global scale its input was quantized with")
     # Every intermediate must feed the chain only, or fusing would have to keep it alive too.
-    _only_users(gemm2, {reduce}, "the second GEMM's output")
+    _only_users(gemm2, {norm or reduce}, "the second GEMM's output")
+    if norm is not None:
+        _only_users(norm, {reduce}, "the post-expert norm's output")
     _only_users(gemm1, {act}, "the first GEMM's output")
     _only_users(act, {chain.quant2 or gemm2}, "the activation's output")
     for q, gemm in ((chain.quant1, gemm1), (chain.quant2, gemm2)):

@@ -171,7 +171,8 @@ def _recipe_text(gu: dict, dr: dict) -> str:
         quant_w = f"{quant_w} (w13), {_weight_text(dr)} (w2)"
     requant = _quant_text(gu["out_quant_dtype"], gu["out_quant_group"])
     bias = "+".join(name for name, args in (("w13", gu), ("w2", dr)) if args["bias"] is not None) or "no"
-    return f"act={act}; a-quant={quant_a}; w-quant={quant_w}; re-quant={requant}; bias={bias}"
+    norm = f"; post-norm=rms(eps={dr['norm_eps']})" if dr["norm_weight"] is not None else ""
+    return f"act={act}; a-quant={quant_a}; w-quant={quant_w}; re-quant={requant}; bias={bias}{norm}"
 
 
 def _rows(report: PassReport, start: int) -> list[LayerRow]:

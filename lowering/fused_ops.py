@@ -7,10 +7,12 @@ moe_ops::gate_up    = gather rows + [quantize] + grouped GEMM1 (+ bias) + activa
     expert_ids (default None): the routing plan's topk_ids [M, k] when they are the local experts (no
     expert_map); at M = 1 the kernel reads them before the plan completes, to start its weights
     early (cute_kernels/moe_gemm.py). A hint: the output depends on the plan only.
-moe_ops::down_reduce = grouped GEMM2 (+ bias) + router weight + reduction of each token's k rows
+moe_ops::down_reduce = grouped GEMM2 (+ bias) + [post-expert norm] + router weight + reduction of
+    each token's k rows
     (intermediate [P, I'], ..., expert_offsets, topk_weights [M, k], inverse [P]) -> [M, H];
     the router weight and the sum come after GEMM2, in the token sum, which finds each pair's grouped
-    row by inverse.
+    row by inverse. norm_weight [H] (default None): each of GEMM2's rows first goes through
+    moe_ops::post_expert_norm with norm_eps (MuseSpark).
     weights_early (default False): w and expert_offsets were written before the kernel
     launched just before this op started, and that kernel writes neither, as when gate_up over the
     same plan comes right before it; the kernel then starts loading w before waiting for that kernel
@@ -27,6 +29,7 @@ import torch
 from moe_ops import _checks
 from moe_ops.activation import ACTIVATIONS, check_activation_recipe
 from moe_ops.activation import activation as activation_op
+from moe_ops.expert_norm import check_norm_args, post_expert_norm
 from moe_ops.gemm import check_gemm_args, grouped_gemm
 from moe_ops.quant.formats import scale_shape
 from moe_ops.quant.quantize import _SCALE_DTYPE, ACTIVATION_STORAGE, check_quantize_recipe, quantize
@@ -160,27 +163,32 @@ def _gate_up_fake(
 
 def check_down_reduce_args(
     a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
-    bias, expert_offsets, topk_weights, inverse, out_dtype, weights_early=False,
+    bias, expert_offsets, topk_weights, inverse, out_dtype, weights_early=False, norm_weight=None, norm_eps=1e-6,
 ) -> None:  # fmt: skip
-    """down_reduce's arguments, as check_gate_up_args: GEMM2 over a's rows, then each token's k rows,
-    which inverse indexes ([P], P = M*k)."""
+    """down_reduce's arguments, as check_gate_up_args: GEMM2 over a's rows, [their norm,] then each
+    token's k rows, which inverse indexes ([P], P = M*k)."""
     check_gemm_args(
         a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
         bias, expert_offsets, None, out_dtype,
     )  # fmt: skip
     check_reduce_rows(f"a {tuple(a.shape)}", a.shape[0], topk_weights, inverse, expert_offsets)
-    _checks.expect_same_device({"a": a, "topk_weights": topk_weights, "inverse": inverse})
+    _checks.expect_same_device({"a": a, "topk_weights": topk_weights, "inverse": inverse, "norm_weight": norm_weight})
+    if norm_weight is not None:
+        # GEMM2's rows as the norm reads them: [P, H] in out_dtype
+        check_norm_args(a.new_empty((0, w.shape[1]), dtype=out_dtype), norm_weight, norm_eps)
 
 
 def down_reduce_reference(
     a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
-    bias, expert_offsets, topk_weights, inverse, out_dtype, weights_early=False,
+    bias, expert_offsets, topk_weights, inverse, out_dtype, weights_early=False, norm_weight=None, norm_eps=1e-6,
 ):  # fmt: skip
     """The reference composition of down_reduce (weights_early is for the kernels' launch order)."""
     y = grouped_gemm(
         a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
         bias, expert_offsets, None, out_dtype,
     )  # fmt: skip
+    if norm_weight is not None:
+        y = post_expert_norm(y, norm_weight, norm_eps)
     return weighted_reduce(y, topk_weights, inverse, expert_offsets)
 
 
@@ -203,8 +211,10 @@ def down_reduce(
     inverse: torch.Tensor,
     out_dtype: torch.dtype,
     weights_early: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Fused GEMM2 + router weight + per-token reduction; see the module docstring."""
+    """Fused GEMM2 + [post-expert norm] + router weight + per-token reduction; see the module docstring."""
     args = locals().copy()
     check_down_reduce_args(**args)
     choice = backend.choose_down_reduce(args)
@@ -214,7 +224,7 @@ def down_reduce(
 @down_reduce.register_fake
 def _down_reduce_fake(
     a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
-    bias, expert_offsets, topk_weights, inverse, out_dtype, weights_early=False,
+    bias, expert_offsets, topk_weights, inverse, out_dtype, weights_early=False, norm_weight=None, norm_eps=1e-6,
 ):  # fmt: skip
     check_down_reduce_args(**locals())
     return a.new_empty((topk_weights.shape[0], w.shape[1]), dtype=out_dtype)

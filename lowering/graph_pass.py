@@ -105,6 +105,9 @@ def _replace(graph: Graph, chain: Chain) -> Fused:
             g2["bias"], g2["expert_offsets"], r["topk_weights"], r["inverse"], g2["out_dtype"],
             _written_before(gu, (g2["w"], g2["expert_offsets"])),
         )  # fmt: skip
+        if chain.norm is not None:
+            n = op_args(chain.norm)
+            dr_args += (n["weight"], n["eps"])
         dr = graph.call_function(DOWN_REDUCE, dr_args)
         _set_meta(dr, down_reduce, dr_args)
     for new in (gu, inter, scale, dr):

@@ -73,10 +73,11 @@ GRAD = (
 )
 
 
-def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_bias, w2_bias) -> tuple[object, str | None]:
+def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_bias, w2_bias, norm=None) -> tuple[object, str | None]:
     """(interface, None) when the kernels serve this call (its arguments checked by fused_experts
-    already), else (interface or None, the reason)."""
-    if needs_grad(x, w13, w2, topk_weights, w13_bias, w2_bias):
+    already), else (interface or None, the reason). norm: a PostExpertNorm or None."""
+    norm_weight = norm.weight if norm is not None else None
+    if needs_grad(x, w13, w2, topk_weights, w13_bias, w2_bias, norm_weight):
         return None, GRAD
     interface, why = _interface()
     if interface is None:
@@ -88,7 +89,7 @@ def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_
     row_major = w13.stride(2) == 1 and w2.stride(2) == 1
     if not row_major:
         return interface, interface.COLUMN_MAJOR + COLUMN_MAJOR_REMEDY
-    for name, t in (("w13", w13), ("w2", w2), ("w13_bias", w13_bias), ("w2_bias", w2_bias)):
+    for name, t in (("w13", w13), ("w2", w2), ("w13_bias", w13_bias), ("w2_bias", w2_bias), ("post_expert_norm.weight", norm_weight)):
         if t is not None and not t.is_contiguous():
             return interface, f"{name}: strides {t.stride()} are not contiguous; the kernels take contiguous tensors"
     common = dict(
@@ -97,15 +98,19 @@ def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_
     )  # fmt: skip
     for ok, why in (
         interface.gate_up_support(activation=act.kind, gate_layout=gate_layout(act.kind, act.interleaved), has_bias=w13_bias is not None, **common),
-        interface.down_reduce_support(has_bias=w2_bias is not None, **common),
+        interface.down_reduce_support(
+            has_bias=w2_bias is not None, norm_dtype=norm_weight.dtype if norm_weight is not None else None, **common
+        ),
     ):
         if not ok:
             return interface, why
-    why = interface.misaligned(x=x, w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias, topk_weights=topk_weights)
+    why = interface.misaligned(
+        x=x, w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias, topk_weights=topk_weights, norm_weight=norm_weight
+    )
     return interface, why
 
 
-def run(interface, x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias, w2_bias, expert_map) -> torch.Tensor:
+def run(interface, x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias, w2_bias, expert_map, norm=None) -> torch.Tensor:
     """fused_experts through the kernels, for a call why_not() accepted: [M, H] in x's dtype."""
     # The routing plan op's CUDA kernel, called directly: fused_experts checked its arguments already,
     # and the op's dispatch cost ~80 µs of host time per call in situ (bench/NOTES.md v41 item 3).
@@ -118,7 +123,8 @@ def run(interface, x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias
         gate_layout=gate_layout(act.kind, act.interleaved), expert_ids=topk_ids if expert_map is None else None,
     )  # fmt: skip
     # GEMM2 may start loading w2 before GEMM1 ends: w2 and the offsets were written before GEMM1 launched.
-    return interface.down_reduce(h, w2, w2_bias, offsets, topk_weights, inverse, weights_early=True)
+    norm_args = {} if norm is None else dict(norm_weight=norm.weight, norm_eps=norm.eps)
+    return interface.down_reduce(h, w2, w2_bias, offsets, topk_weights, inverse, weights_early=True, **norm_args)
 
 
 def warn_once(why: str, device: torch.device) -> None:

@@ -6,24 +6,19 @@ MuseSpark's input-scaled RMS norm (transformers' MuseSparkTextInputScaledRMSNorm
                                                  rounded to y's dtype
     out = round(s / sqrt(mean(s^2) + eps))       in float32, rounded to y's dtype
 
-so the chain becomes ... -> grouped_gemm (GEMM2) -> post_expert_norm -> weighted_reduce. No CuTe DSL
-kernel computes it: the lowering leaves such a chain unfused (explain() gives NO_KERNEL as the reason),
-eager calls run the op chain too, and the op warns once per device when it runs on CUDA, compiled or
-not. Rows past expert_offsets[E] are zero from GEMM2 and stay zero (eps > 0).
+so the chain becomes ... -> grouped_gemm (GEMM2) -> post_expert_norm -> weighted_reduce, which the
+lowering fuses into down_reduce with the norm (cute_kernels/norm_token_sum.py on sm_90), as eager CUDA
+calls run it. Rows past expert_offsets[E] are zero from GEMM2 and stay zero (eps > 0).
 """
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from numbers import Real
 
 import torch
 
 from . import _checks, forward_only
-
-NO_KERNEL = "a post-expert norm (moe_ops.post_expert_norm): no CuTe DSL kernel has that stage, so the layer's op chain runs"
-_WARNED: set[str] = set()
 
 
 def check_eps(eps) -> None:
@@ -65,9 +60,6 @@ def post_expert_norm(y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     """y [R, H] -> [R, H] in y's dtype, contiguous: each row scaled by 1 + weight [H] (in weight's dtype),
     rounded to y's dtype, then divided by its root mean square (+ eps), in float32 (the module docstring)."""
     check_norm_args(y, weight, eps)
-    if y.device.type == "cuda" and str(y.device) not in _WARNED:
-        _WARNED.add(str(y.device))
-        warnings.warn(f"moe_ops runs the reference ops on {y.device}: {NO_KERNEL}", stacklevel=2)
     s = (y.float() * (1.0 + weight).float()).to(y.dtype).float()
     return (s * torch.rsqrt(s.square().mean(dim=1, keepdim=True) + eps)).to(y.dtype).contiguous()
 

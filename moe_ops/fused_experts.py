@@ -159,8 +159,8 @@ def fused_experts(
     Quantized schemes store w13/w2 as QuantConfig describes (packed formats hold K/2 columns).
     expert_map [E_global] maps global ids to local ones, -1 for experts on other ranks (they contribute
     nothing). apply_router_weight_on_input multiplies the input by the weight instead (top_k == 1).
-    post_expert_norm normalizes each expert's output before the router weights it (MuseSpark; the op
-    chain only, expert_norm.py). Returns [M, H] in hidden_states' dtype.
+    post_expert_norm normalizes each expert's output before the router weights it (MuseSpark,
+    expert_norm.py). Returns [M, H] in hidden_states' dtype.
 
     Eager calls check expert ids against [0, E_global) (a host sync); compiled and CUDA-graph-captured
     calls skip that check and treat an out-of-range id like an expert on another rank. An eager call on
@@ -192,12 +192,11 @@ def fused_experts(
         hidden_states = (hidden_states.float() * topk_weights).to(hidden_states.dtype)
         topk_weights = torch.ones_like(topk_weights)
 
-    # With a post-expert norm the chain runs (no kernel has that stage): the norm op warns on CUDA.
-    if post_expert_norm is None and eager_kernels.applies(hidden_states):
+    if eager_kernels.applies(hidden_states):
         x, weights = hidden_states.contiguous(), topk_weights.contiguous()
-        interface, why = eager_kernels.why_not(x, w13, w2, weights, act, config, w13_bias, w2_bias)
+        interface, why = eager_kernels.why_not(x, w13, w2, weights, act, config, w13_bias, w2_bias, post_expert_norm)
         if why is None:
-            return eager_kernels.run(interface, x, w13, w2, weights, topk_ids, act, w13_bias, w2_bias, expert_map)
+            return eager_kernels.run(interface, x, w13, w2, weights, topk_ids, act, w13_bias, w2_bias, expert_map, post_expert_norm)
         eager_kernels.warn_once(why, hidden_states.device)
 
     scheme = config.scheme

@@ -37,8 +37,13 @@ def keys(monkeypatch) -> list[str]:
     return asked
 
 
+# The token sums precompile asks for after the GEMMs: the plain one, then with a post-expert norm whose
+# weight has the activations' dtype, then float32.
+SUMS = 3
+
+
 def _precompile(keys: list[str], dtype, sms: int) -> list[str]:
-    """The keys precompile asks for: one per variants() entry, then the token sum's."""
+    """The keys precompile asks for: one per variants() entry, then the SUMS token sums'."""
     keys.clear()
     interface.precompile(dtype, sms=sms, bias_dtypes=BIASES[dtype])
     return list(keys)
@@ -50,17 +55,17 @@ def test_every_variant_has_its_own_key(keys, dtype):
     # after the previous kernel's writes), a bf16 or f32 bias (read as its own dtype). A key shared by
     # two of them serves whichever compiled first to both.
     got = _precompile(keys, dtype, 132)
-    gemm, token_sum = got[:-1], got[-1]
+    gemm, sums = got[:-SUMS], got[-SUMS:]
     assert len(gemm) == len(interface.variants(dtype, BIASES[dtype]))
     assert len(set(gemm)) == len(gemm), sorted(k for k in gemm if gemm.count(k) > 1)
-    assert token_sum not in gemm
+    assert len(set(sums)) == SUMS and not set(sums) & set(gemm)
 
 
 def test_keys_name_the_sm_count(keys):
     # The persistent GEMM is compiled for a grid of one CTA per SM: a disk cache shared by GPUs with
     # 132 and 114 SMs (H100 SXM and PCIe) must not hand one's kernel to the other.
-    h100_sxm = _precompile(keys, torch.bfloat16, 132)[:-1]
-    h100_pcie = _precompile(keys, torch.bfloat16, 114)[:-1]
+    h100_sxm = _precompile(keys, torch.bfloat16, 132)[:-SUMS]
+    h100_pcie = _precompile(keys, torch.bfloat16, 114)[:-SUMS]
     assert not set(h100_sxm) & set(h100_pcie)
 
 
@@ -69,7 +74,7 @@ def test_keys_name_the_activation_dtype(keys):
     bf16 = _precompile(keys, torch.bfloat16, 132)
     fp16 = _precompile(keys, torch.float16, 132)
     assert not set(bf16) & set(fp16)
-    assert bf16[-1] != fp16[-1]  # the token sums'
+    assert not set(bf16[-SUMS:]) & set(fp16[-SUMS:])  # the token sums'
 
 
 def test_source_hash_covers_every_source():
@@ -77,7 +82,7 @@ def test_source_hash_covers_every_source():
     # layout in interface.py) must invalidate the disk cache, so the hash reads all of them.
     package = Path(cc.__file__).parent
     want = {name for name in os.listdir(package) if name.endswith(".py")}
-    assert {"moe_gemm.py", "token_sum.py", "interface.py", "compile.py"} <= want
+    assert {"moe_gemm.py", "token_sum.py", "norm_token_sum.py", "interface.py", "compile.py"} <= want
     assert {p.name for p in cc._SOURCES} == want
     assert all(p.parent == package for p in cc._SOURCES)
 

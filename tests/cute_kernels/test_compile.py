@@ -22,6 +22,7 @@ tvm_ffi = pytest.importorskip("tvm_ffi")
 from cute_kernels import compile as cc  # noqa: E402
 from cute_kernels import interface  # noqa: E402
 from cute_kernels.moe_gemm import L2_EVICT_FIRST, SMEM_CAPACITY, MoeGemmSm90  # noqa: E402
+from cute_kernels.norm_token_sum import NormTokenSumSm90  # noqa: E402
 from cute_kernels.token_sum import TokenSumSm90  # noqa: E402
 
 import cutlass.cute as cute  # noqa: E402
@@ -173,6 +174,26 @@ def test_token_sum(dtype, tmp_path):
     assert "ld.global.v4" in after
     # The next kernel (a programmatic dependent: the next layer's plan) may launch only after the wait.
     assert "griddepcontrol.launch_dependents" not in before and "griddepcontrol.launch_dependents" in after
+    if shutil.which("ptxas"):
+        _check_resources(_ptxas(ptx, tmp_path))
+
+
+@pytest.mark.parametrize("norm_dtype", ["same", torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_norm_token_sum(dtype, norm_dtype, tmp_path):
+    norm_dtype = dtype if norm_dtype == "same" else norm_dtype
+    kernel = NormTokenSumSm90(weight_float32=norm_dtype == torch.float32)
+    ptx = _compile(kernel, interface.norm_token_sum_compile_args(dtype, norm_dtype), tmp_path)
+    assert "st.global.v4" in ptx, "16-byte stores"
+    # (an instruction's start: "red." is also the tail of "shared.")
+    assert not re.search(r"^\s*(atom|red)\.", ptx, re.M), "no atomics: the reduction is deterministic"
+    assert "bar.sync" in ptx and "shfl.sync.bfly" in ptx, "a block reduction of each row's squares"
+    assert "rsqrt.approx" in ptx
+    assert ".local" not in ptx
+    # Nothing global before the wait: GEMM2 writes y (the norm's weight is read after it too).
+    before, after = split_at_wait(ptx)
+    assert not touches_global(before), "a global access before griddepcontrol.wait"
+    assert "ld.global" in after and "griddepcontrol.launch_dependents" in after
     if shutil.which("ptxas"):
         _check_resources(_ptxas(ptx, tmp_path))
 

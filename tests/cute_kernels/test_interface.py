@@ -73,6 +73,22 @@ def test_support_declines_sizes_off_the_k_tile(op, hidden, intermediate):
     assert not ok and why == f"hidden={hidden} and intermediate={intermediate} must be multiples of 64"
 
 
+def test_down_reduce_support_of_a_post_expert_norm():
+    """A norm's weight in the activations' dtype or float32, over rows of up to NORM_MAX_H (the kernel
+    holds a token's output row in its threads' registers); another dtype or a wider row is declined,
+    named."""
+    from cute_kernels.norm_token_sum import MAX_H
+
+    for norm_dtype in (torch.bfloat16, torch.float32):
+        ok, why = _support("down_reduce", norm_dtype=norm_dtype, hidden=MAX_H)
+        assert ok and why.endswith(" of normalized rows"), why
+    ok, why = _support("down_reduce", norm_dtype=torch.float16)
+    assert not ok and why == "a post-expert norm's weight in torch.float16; the kernel takes torch.bfloat16 or torch.float32"
+    ok, why = _support("down_reduce", norm_dtype=torch.bfloat16, hidden=MAX_H + 64)
+    assert not ok and why == f"a post-expert norm over hidden={MAX_H + 64}; the kernel holds rows of at most {MAX_H} in registers"
+    assert _support("down_reduce", hidden=MAX_H + 64)[0]  # without a norm, any width
+
+
 @pytest.mark.parametrize("layout", ["none", "concat"])
 def test_gate_up_support_declines_an_unknown_activation(layout):
     """An activation the epilogue does not implement is declined by name, whatever the gate layout."""

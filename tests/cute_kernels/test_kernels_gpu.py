@@ -313,3 +313,38 @@ def test_launches_follow_the_current_stream(interface):
     torch.cuda.synchronize()
     assert rel_err(out, reference(new_x, w13, w2, new_tw, new_ti)[1]) < TOL
     assert rel_err(old_out, out) > 0.1  # new inputs, a different output: the check above can fail
+
+
+@pytest.mark.parametrize("norm_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "m,e,k,h,i",
+    [(1, 16, 8, 4096, 256), (37, 8, 2, 576, 320), (300, 16, 4, 8192, 128), (5, 4, 3, 64, 64), (0, 4, 2, 256, 128)],
+)
+def test_post_expert_norm(interface, m, e, k, h, i, norm_dtype):
+    """down_reduce with a post-expert norm (norm_token_sum.py) against the reference ops on the same
+    intermediate: GEMM2, moe_ops::post_expert_norm, weighted_reduce. Widths of one to four 16-byte chunks
+    per thread (a partial last one at H = 576 and 64, the most at H = MAX_H = 8192), k up to 8, M = 0 to
+    300, one expert on another rank (dropped pairs). Deterministic, and far from the same sum without
+    the norm."""
+    from moe_ops.expert_norm import post_expert_norm
+    from moe_ops.gemm import grouped_gemm
+    from moe_ops.plan import routing_plan
+    from moe_ops.reduce import weighted_reduce
+
+    w13, w2 = weights(e, h, i)
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+    tw, ti = routing(m, e, k)
+    expert_map = torch.arange(e, device="cuda", dtype=torch.int32)
+    expert_map[1] = -1
+    offsets, gather, inverse = routing_plan(ti, e, expert_map)
+    nw = (torch.randn(h, device="cuda") * 0.3).to(norm_dtype)
+    inter = interface.gate_up(x, w13, None, offsets, gather, activation="silu", alpha=1.702, limit=7.0, gate_layout="concat")
+    out = interface.down_reduce(inter, w2, None, offsets, tw, inverse, norm_weight=nw, norm_eps=1e-6)
+    y = grouped_gemm(inter, None, None, "none", [-1, -1], w2, None, None, None, "none", [-1, -1], None, offsets, None, x.dtype)
+    want = weighted_reduce(post_expert_norm(y, nw, 1e-6), tw, inverse, offsets)
+    assert not out.isnan().any()
+    assert rel_err(out, want) < TOL, rel_err(out, want)
+    assert torch.equal(out, interface.down_reduce(inter, w2, None, offsets, tw, inverse, norm_weight=nw, norm_eps=1e-6))
+    if m:
+        plain = interface.down_reduce(inter, w2, None, offsets, tw, inverse)
+        assert rel_err(plain, want) > 10 * TOL

@@ -18,14 +18,17 @@ from .test_pass import _meta_down_reduce_args, _meta_gate_up_args, build_layer, 
 
 # Every tensor each op hands the kernels by pointer.
 POINTER_ARGS = [("gate_up", name) for name in ("x", "w", "bias", "expert_offsets", "gather_idx")] + [
-    ("down_reduce", name) for name in ("a", "w", "bias", "expert_offsets", "topk_weights", "inverse")
+    ("down_reduce", name) for name in ("a", "w", "bias", "expert_offsets", "topk_weights", "inverse", "norm_weight")
 ]
 
 
 def _meta_args(op: str) -> dict:
-    """The op's meta arguments of a shape the kernels serve, with a bias ([E, N] in the weights' dtype)."""
+    """The op's meta arguments of a shape the kernels serve, with a bias ([E, N] in the weights' dtype),
+    and for down_reduce a post-expert norm ([H] in the weights' dtype)."""
     args = _meta_gate_up_args() if op == "gate_up" else _meta_down_reduce_args()
     args["bias"] = torch.empty(args["w"].shape[:2], dtype=args["w"].dtype, device="meta")
+    if op == "down_reduce":
+        args.update(norm_weight=torch.empty(args["w"].shape[1], dtype=args["w"].dtype, device="meta"), norm_eps=1e-6)
     return args
 
 
@@ -110,7 +113,8 @@ def test_kernel_call_gets_weights_early_from_the_pass(monkeypatch, early):
     ((given, kw),) = calls
     want = [args[name] for name in ("a", "w", "bias", "expert_offsets", "topk_weights", "inverse")]
     assert len(given) == len(want) and all(g is w for g, w in zip(given, want))
-    assert kw == {"weights_early": early}
+    assert kw.keys() == {"weights_early", "norm_weight", "norm_eps"} and kw["weights_early"] == early
+    assert kw["norm_weight"] is args["norm_weight"] and kw["norm_eps"] == args["norm_eps"]
 
 
 def test_require_kernels_leaves_cpu_calls_on_the_reference():

@@ -111,6 +111,10 @@ BAD = {
     "down_reduce_bias_width": (lambda: _down_reduce(bias=torch.randn(E, H + 1)), ValueError, r"bias: expected shape \(4, 32\)"),
     "down_reduce_int8_without_scale": (lambda: _down_reduce(a_dtype="int8", a=torch.ones(M * K_TOP, I, dtype=torch.int8)),
                                        ValueError, r"a_scale: 'int8' values need their scales, got None"),
+    "down_reduce_norm_width": (lambda: _down_reduce(weights_early=False, norm_weight=torch.randn(H + 1), norm_eps=1e-6), ValueError,
+                               r"weight: expected shape \(32,\) \(\[H\] for y \(0, 32\)\), got \(33,\)"),
+    "down_reduce_norm_eps": (lambda: _down_reduce(weights_early=False, norm_weight=torch.randn(H), norm_eps=0.0), ValueError,
+                             r"eps: got 0.0; allowed: > 0"),
     "down_reduce_meta_weights": (lambda: _down_reduce(topk_weights=torch.rand(M, K_TOP, device="meta")), ValueError,
                                  r"topk_weights: on meta, but a is on cpu"),
     "down_reduce_meta_inverse": (lambda: _down_reduce(inverse=torch.arange(M * K_TOP, dtype=_I32, device="meta")), ValueError,
@@ -175,6 +179,23 @@ def test_gate_up_requantizes_relu2s_whole_width():
                         out_global_scale=torch.ones(1))  # fmt: skip
     codes, scales = _real_matching_fake(op, args)
     assert codes.shape == (M * K_TOP, 15) and codes.dtype == torch.uint8 and scales.dtype == torch.float8_e4m3fn
+
+
+def test_down_reduce_with_a_post_expert_norm():
+    # With norm_weight, each of GEMM2's rows goes through moe_ops::post_expert_norm before the weighted
+    # sum (the real impl equals that composition; the fake impl gives its shape, dtype and strides), and
+    # opcheck passes with the two extra arguments.
+    from moe_ops.expert_norm import post_expert_norm
+    from moe_ops.gemm import grouped_gemm
+    from moe_ops.reduce import weighted_reduce
+
+    norm_weight = torch.randn(H) * 0.3
+    op, args = _down_reduce(weights_early=False, norm_weight=norm_weight, norm_eps=1e-5)
+    (out,) = _real_matching_fake(op, args)
+    a, w, bias, offsets, topk_weights, inverse = args[0], args[5], args[11], args[12], args[13], args[14]
+    y = grouped_gemm(a, None, None, "none", NONE, w, None, None, None, "none", NONE, bias, offsets, None, torch.float32)
+    torch.testing.assert_close(out, weighted_reduce(post_expert_norm(y, norm_weight, 1e-5), topk_weights, inverse, offsets))
+    torch.library.opcheck(op, tuple(args))
 
 
 def test_down_reduce_weighs_rows_by_signed_router_weights():

@@ -1,7 +1,7 @@
 """moe_ops::post_expert_norm and PostExpertNorm (MuseSpark's input-scaled RMS norm of each expert's
 output row): values against a float64 re-computation written here on fresh random inputs, opcheck and
 the fake impl, bad arguments, and fused_experts with the norm against moe_float64, eager and compiled
-(where the lowering leaves the chain unfused, saying why)."""
+(where the lowering fuses the norm into down_reduce)."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ import torch
 
 import lowering
 from moe_ops import PostExpertNorm, fused_experts
-from moe_ops.expert_norm import NO_KERNEL, post_expert_norm
+from moe_ops.expert_norm import post_expert_norm
 from moe_ops.reference import moe_float64, relative_error, tolerance
 
 from ..host_reads import no_host_reads
@@ -119,9 +119,10 @@ def test_fused_experts_with_norm_against_float64(dtype):
     assert relative_error(plain, want) > 0.1
 
 
-def test_compiled_layer_with_norm_is_left_unfused_and_matches_eager():
-    """The lowering fuses no chain with a norm between GEMM2 and the reduction: explain() names the
-    norm as the reason, and the compiled layer (the op chain) gives the eager output."""
+def test_compiled_layer_fuses_the_norm_into_down_reduce():
+    """The lowering fuses a chain with a norm between GEMM2 and the reduction: explain() shows the norm
+    in the recipe, the graph keeps no post_expert_norm of its own, and the compiled layer gives the
+    eager output (on the CPU both are the reference composition)."""
     x, w13, w2, tw, ids, norm = _layer(torch.float32, seed=3)
 
     def layer(x, tw, ids):
@@ -129,7 +130,9 @@ def test_compiled_layer_with_norm_is_left_unfused_and_matches_eager():
 
     report = lowering.explain(layer, x, tw, ids)
     (row,) = report.layers
-    assert row.fused == "not fused" and row.backend == f"reason: the reduced rows come from {NO_KERNEL}", row
+    assert row.fused == "gate_up + down_reduce" and row.recipe.endswith("; post-norm=rms(eps=1e-06)"), row
+    (graph,) = report.graphs
+    assert "post_expert_norm" not in graph and "down_reduce" in graph
     with lowering.enabled():
         compiled = torch.compile(layer, fullgraph=True)
         assert torch.allclose(compiled(x, tw, ids), layer(x, tw, ids), rtol=1e-5, atol=1e-6)
