@@ -19,9 +19,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.utils import SmemAllocator
 
+from .token_sum import VEC, token_sum_views
+
 THREADS = 256
 WARPS = THREADS // 32
-VEC = 8
 MAX_CHUNKS = 4  # 16-byte chunks of a row per thread
 MAX_H = THREADS * VEC * MAX_CHUNKS
 GROUP = 2 * WARPS  # rows whose inverse root mean squares shared memory holds at a time
@@ -50,13 +51,8 @@ class NormTokenSumSm90:
         eps: Float32,
         stream: cuda.CUstream,
     ):
-        h = cute.assume(h, divby=VEC)
-        mY = cute.make_tensor(y_ptr, cute.make_layout((m * k, h), stride=(h, 1)))
-        mInv = cute.make_tensor(inverse_ptr, cute.make_layout((m * k,)))
-        mW = cute.make_tensor(weights_ptr, cute.make_layout((m * k,)))
-        mOff = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
-        mNorm = cute.make_tensor(norm_ptr, cute.make_layout((h,)))
-        mOut = cute.make_tensor(out_ptr, cute.make_layout((m, h), stride=(h, 1)))
+        mY, mInv, mW, mOff, mOut = token_sum_views(y_ptr, inverse_ptr, weights_ptr, offsets_ptr, out_ptr, m, k, h, num_experts)
+        mNorm = cute.make_tensor(norm_ptr, cute.make_layout((mOut.shape[1],)))
         self.kernel(mY, mInv, mW, mOff, mNorm, mOut, k, num_experts, eps).launch(
             grid=[m, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True
         )

@@ -24,6 +24,19 @@ EARLY = 8  # pairs of a token whose row index and weight are read before the wai
 UNROLL = 4  # rows of a token loaded together past those
 
 
+def token_sum_views(y_ptr, inverse_ptr, weights_ptr, offsets_ptr, out_ptr, m, k, h, num_experts):
+    """The token sums' tensors over their pointers (at trace time): y (M * k, H), inverse and weights
+    (M * k,), offsets (E + 1,), out (M, H); H is a multiple of VEC."""
+    h = cute.assume(h, divby=VEC)
+    return (
+        cute.make_tensor(y_ptr, cute.make_layout((m * k, h), stride=(h, 1))),
+        cute.make_tensor(inverse_ptr, cute.make_layout((m * k,))),
+        cute.make_tensor(weights_ptr, cute.make_layout((m * k,))),
+        cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,))),
+        cute.make_tensor(out_ptr, cute.make_layout((m, h), stride=(h, 1))),
+    )
+
+
 class TokenSumSm90:
     @cute.jit
     def __call__(
@@ -39,12 +52,8 @@ class TokenSumSm90:
         num_experts: Int32,
         stream: cuda.CUstream,
     ):
-        h = cute.assume(h, divby=VEC)
-        mY = cute.make_tensor(y_ptr, cute.make_layout((m * k, h), stride=(h, 1)))
-        mInv = cute.make_tensor(inverse_ptr, cute.make_layout((m * k,)))
-        mW = cute.make_tensor(weights_ptr, cute.make_layout((m * k,)))
-        mOff = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
-        mOut = cute.make_tensor(out_ptr, cute.make_layout((m, h), stride=(h, 1)))
+        mY, mInv, mW, mOff, mOut = token_sum_views(y_ptr, inverse_ptr, weights_ptr, offsets_ptr, out_ptr, m, k, h, num_experts)
+        h = mOut.shape[1]
         # One thread per 16-byte chunk of a token's row, so a small M still spreads over many SMs (one
         # CTA per token looping over H cost up to ~20 µs at M = 1, H = 7168).
         parts = (h // VEC + THREADS - 1) // THREADS
