@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_ops import dequant_kernels
 from moe_ops.eager_kernels import COLUMN_MAJOR_REMEDY, gate_layout
+from moe_ops.gemm import _W_PACKING
 
 REQUIRE_KERNELS = {"value": os.environ.get("MOE_OPS_REQUIRE_KERNELS", "0") == "1"}
 
@@ -66,17 +68,38 @@ def _run_down_reduce(args: dict):
     )
 
 
-_KERNELS = {"gate_up": _run_gate_up, "down_reduce": _run_down_reduce}
+def _run_gate_up_dequant(args: dict):
+    from cute_kernels import interface
 
+    return dequant_kernels.gate_up(interface, gate_layout=gate_layout(args["activation"], args["interleaved"]), **args)
+
+
+def _run_down_reduce_dequant(args: dict):
+    from cute_kernels import interface
+
+    return dequant_kernels.down_reduce(interface, **args)
+
+
+# (op, quantized) -> the runner of a call the kernels serve.
+_KERNELS = {
+    ("gate_up", False): _run_gate_up,
+    ("down_reduce", False): _run_down_reduce,
+    ("gate_up", True): _run_gate_up_dequant,
+    ("down_reduce", True): _run_down_reduce_dequant,
+}
 
 
 def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
+    # A quantized recipe runs on weights (and activations) decoded to compute_dtype: the kernels are
+    # asked about that recipe (dequant_kernels.py).
+    quantized = recipe["quantized"]
+    dtype = recipe["compute_dtype"]
     common = dict(
-        dtype=recipe["dtype"], weight_dtype=recipe["w_storage"], has_bias=recipe["has_bias"],
+        dtype=dtype, weight_dtype=dtype if quantized else recipe["w_storage"], has_bias=recipe["has_bias"],
         hidden=recipe["hidden"], intermediate=recipe["intermediate"], num_experts=recipe["num_experts"],
-        weight_row_major=recipe["w_row_major"], quantized=recipe["quantized"],
+        weight_row_major=quantized or recipe["w_row_major"],
     )  # fmt: skip
-    if recipe["w_column_major"]:
+    if recipe["w_column_major"] and not quantized:
         # Before the contiguity check, which such a weight fails too: this reason says what to change.
         return False, interface.COLUMN_MAJOR + COLUMN_MAJOR_REMEDY
     if not recipe["contiguous"]:
@@ -85,13 +108,22 @@ def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
     if wide:
         given = ", ".join(f"{name} in {dtype}" for name, dtype in wide.items())
         return False, f"{given}; the kernels read int32 index tensors (the routing plan's)"
-    if recipe["out_dtype"] != recipe["dtype"]:
-        return False, f"output in {recipe['out_dtype']} from inputs in {recipe['dtype']}; the kernels write the inputs' dtype"
+    if recipe["out_dtype"] != dtype:
+        return False, f"output in {recipe['out_dtype']} from inputs in {dtype}; the kernels write the inputs' dtype"
     if op == "gate_up":
-        return interface.gate_up_support(activation=recipe["activation"], gate_layout=gate_layout(recipe["activation"], recipe["interleaved"]), **common)
-    if recipe["router_weight_dtype"] != torch.float32:
-        return False, f"router weights in {recipe['router_weight_dtype']}; the kernels take float32"
-    return interface.down_reduce_support(norm_dtype=recipe["norm_dtype"], **common)
+        ok, why = interface.gate_up_support(activation=recipe["activation"], gate_layout=gate_layout(recipe["activation"], recipe["interleaved"]), **common)
+        n, k, which = recipe["n"], recipe["hidden"], "w13"
+    else:
+        if recipe["router_weight_dtype"] != torch.float32:
+            return False, f"router weights in {recipe['router_weight_dtype']}; the kernels take float32"
+        ok, why = interface.down_reduce_support(norm_dtype=recipe["norm_dtype"], **common)
+        n, k, which = recipe["hidden"], recipe["intermediate"], "w2"
+    if not ok or not quantized:
+        return ok, why
+    too_big = dequant_kernels.why_not(which, recipe["num_experts"], n, k, dtype)
+    if too_big is not None:
+        return False, too_big
+    return True, dequant_kernels.REASON.format(dtype=dtype) + why
 
 
 def _choose(op: str, recipe: dict, device: torch.device, tensors: dict | None = None) -> Choice:
@@ -108,7 +140,11 @@ def _choose(op: str, recipe: dict, device: torch.device, tensors: dict | None = 
             ok, why = _support(op, recipe, interface)
         if ok and tensors and (off := interface.misaligned(**tensors)) is not None:
             ok, why = False, off
-        choice = Choice("cute", why, _KERNELS[op]) if ok else Choice("reference", why)
+        if ok:
+            quantized = recipe["quantized"]
+            choice = Choice("cute+dequant" if quantized else "cute", why, _KERNELS[op, quantized])
+        else:
+            choice = Choice("reference", why)
     if choice.kernel is None and device.type == "cuda" and REQUIRE_KERNELS["value"]:
         raise RuntimeError(f"moe_ops::{op}: no CuTe DSL kernel serves this recipe ({choice.reason}) and require_kernels is set")
     return choice
@@ -131,9 +167,9 @@ def gate_up_recipe(args: dict) -> dict:
     w = args["w"]
     gated = args["activation"] != "relu2"
     return dict(
-        dtype=args["x"].dtype, w_storage=w.dtype, out_dtype=args["out_dtype"],
+        dtype=args["x"].dtype, compute_dtype=args["x"].dtype, w_storage=w.dtype, out_dtype=args["out_dtype"],
         a_dtype=args["a_dtype"], a_group=tuple(args["a_group"]), w_dtype=args["w_dtype"], w_group=tuple(args["w_group"]),
-        has_bias=args["bias"] is not None, activation=args["activation"], alpha=float(args["alpha"]),
+        has_bias=args["bias"] is not None, activation=args["activation"], alpha=float(args["alpha"]), n=w.shape[1],
         limit=float(args["limit"]), interleaved=bool(args["interleaved"]),
         out_quant_dtype=args["out_quant_dtype"], out_quant_group=tuple(args["out_quant_group"]),
         w_row_major=w.stride(2) == 1, w_column_major=_column_major(w), hidden=args["x"].shape[1], num_experts=w.shape[0],
@@ -146,11 +182,13 @@ def gate_up_recipe(args: dict) -> dict:
 
 def down_reduce_recipe(args: dict) -> dict:
     w = args["w"]
+    # A quantized intermediate is decoded to the output's dtype for the kernels (dequant_kernels.py).
+    compute = args["out_dtype"] if args["a_dtype"] != "none" else args["a"].dtype
     return dict(
-        dtype=args["a"].dtype, w_storage=w.dtype, out_dtype=args["out_dtype"],
+        dtype=args["a"].dtype, compute_dtype=compute, w_storage=w.dtype, out_dtype=args["out_dtype"],
         a_dtype=args["a_dtype"], a_group=tuple(args["a_group"]), w_dtype=args["w_dtype"], w_group=tuple(args["w_group"]),
         has_bias=args["bias"] is not None, w_row_major=w.stride(2) == 1, w_column_major=_column_major(w), hidden=w.shape[1],
-        intermediate=args["a"].shape[1],
+        intermediate=w.shape[2] * _W_PACKING[args["w_dtype"]],
         num_experts=w.shape[0],
         quantized=args["a_dtype"] != "none" or args["w_dtype"] != "none",
         router_weight_dtype=args["topk_weights"].dtype,

@@ -20,9 +20,10 @@ import warnings
 
 import torch
 
-from . import _checks
+from . import _checks, dequant_kernels
 from .activation import ACTIVATIONS, Activation
 from .quant.config import QuantConfig
+from .quant.scheme import op_args
 
 # Where column-major experts usually come from (transformers' transposed experts: gpt-oss, Aria), and
 # the one call that re-stores them for the kernels (the lowering's reason says it too).
@@ -85,16 +86,21 @@ def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_
     ok, why = interface.device_support(x.device)
     if not ok:
         return interface, why
-    num_experts, _, hidden = w13.shape
-    row_major = w13.stride(2) == 1 and w2.stride(2) == 1
+    num_experts, n13 = w13.shape[:2]
+    hidden = x.shape[1]  # w13's K is packed (K/2) for 4-bit formats
+    scheme = config.scheme
+    quantized = scheme.activation is not None or scheme.weight is not None
+    # Quantized weights are decoded to x's dtype (dequant_kernels.py): contiguous, so row-major.
+    row_major = quantized or (w13.stride(2) == 1 and w2.stride(2) == 1)
     if not row_major:
         return interface, interface.COLUMN_MAJOR + COLUMN_MAJOR_REMEDY
     for name, t in (("w13", w13), ("w2", w2), ("w13_bias", w13_bias), ("w2_bias", w2_bias), ("post_expert_norm.weight", norm_weight)):
         if t is not None and not t.is_contiguous():
             return interface, f"{name}: strides {t.stride()} are not contiguous; the kernels take contiguous tensors"
+    intermediate = w2.shape[2] * (scheme.weight.packing if scheme.weight is not None else 1)
     common = dict(
-        dtype=x.dtype, weight_dtype=w13.dtype, hidden=hidden, intermediate=w2.shape[2], num_experts=num_experts,
-        weight_row_major=True, quantized=config.scheme.activation is not None or config.scheme.weight is not None,
+        dtype=x.dtype, weight_dtype=x.dtype if quantized else w13.dtype, hidden=hidden, intermediate=intermediate,
+        num_experts=num_experts, weight_row_major=True,
     )  # fmt: skip
     for ok, why in (
         interface.gate_up_support(activation=act.kind, gate_layout=gate_layout(act.kind, act.interleaved), has_bias=w13_bias is not None, **common),
@@ -104,13 +110,21 @@ def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_
     ):
         if not ok:
             return interface, why
+    if quantized:
+        for which, n, k in (("w13", n13, hidden), ("w2", hidden, intermediate)):
+            too_big = dequant_kernels.why_not(which, num_experts, n, k, x.dtype)
+            if too_big is not None:
+                return interface, too_big
     why = interface.misaligned(
         x=x, w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias, topk_weights=topk_weights, norm_weight=norm_weight
     )
     return interface, why
 
 
-def run(interface, x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias, w2_bias, expert_map, norm=None) -> torch.Tensor:
+def run(
+    interface, x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias, w2_bias, expert_map, norm=None,
+    config: QuantConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
     """fused_experts through the kernels, for a call why_not() accepted: [M, H] in x's dtype."""
     # The routing plan op's CUDA kernel, called directly: fused_experts checked its arguments already,
     # and the op's dispatch cost ~80 µs of host time per call in situ (bench/NOTES.md v41 item 3).
@@ -118,6 +132,8 @@ def run(interface, x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias
     from .plan_kernel import routing_plan_triton
 
     offsets, gather_idx, inverse = routing_plan_triton(topk_ids, w13.shape[0], expert_map)
+    if config is not None and (config.scheme.activation is not None or config.scheme.weight is not None):
+        return _run_quantized(interface, x, w13, w2, topk_weights, act, w13_bias, w2_bias, norm, config, offsets, gather_idx, inverse)
     h = interface.gate_up(
         x, w13, w13_bias, offsets, gather_idx, activation=act.kind, alpha=act.alpha, limit=act.limit,
         gate_layout=gate_layout(act.kind, act.interleaved), expert_ids=topk_ids if expert_map is None else None,
@@ -125,6 +141,29 @@ def run(interface, x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias
     # GEMM2 may start loading w2 before GEMM1 ends: w2 and the offsets were written before GEMM1 launched.
     norm_args = {} if norm is None else dict(norm_weight=norm.weight, norm_eps=norm.eps)
     return interface.down_reduce(h, w2, w2_bias, offsets, topk_weights, inverse, weights_early=True, **norm_args)
+
+
+def _run_quantized(interface, x, w13, w2, topk_weights, act, w13_bias, w2_bias, norm, config, offsets, gather_idx, inverse):
+    """The quantized chain with the lowering's fused-op arguments, through dequant_kernels (the compiled
+    layer calls the same two functions, so the two agree bit for bit)."""
+    scheme = config.scheme
+    (a_dtype, a_group), (w_dtype, w_group) = op_args(scheme.activation), op_args(scheme.weight)
+    t13, t2 = config.gemm("13"), config.gemm("2")
+    q, q_scale = dequant_kernels.gate_up(
+        interface, x=x, a_scale=t13["a_scale"], a_global_scale=t13["a_global_scale"], a_dtype=a_dtype, a_group=a_group,
+        w=w13, w_scale=t13["w_scale"], w_global_scale=t13["w_global_scale"], w_zero=t13["w_zero"], w_dtype=w_dtype,
+        w_group=w_group, bias=w13_bias, expert_offsets=offsets, gather_idx=gather_idx, activation=act.kind,
+        alpha=float(act.alpha), limit=float(act.limit), interleaved=act.interleaved,
+        gate_layout=gate_layout(act.kind, act.interleaved), out_quant_dtype=a_dtype, out_quant_group=a_group,
+        out_scale=t2["a_scale"], out_global_scale=t2["a_global_scale"], out_dtype=x.dtype,
+    )  # fmt: skip
+    return dequant_kernels.down_reduce(
+        interface, a=q, a_scale=q_scale if a_dtype != "none" else None, a_global_scale=t2["a_global_scale"],
+        a_dtype=a_dtype, a_group=a_group, w=w2, w_scale=t2["w_scale"], w_global_scale=t2["w_global_scale"],
+        w_zero=t2["w_zero"], w_dtype=w_dtype, w_group=w_group, bias=w2_bias, expert_offsets=offsets,
+        topk_weights=topk_weights, inverse=inverse, out_dtype=x.dtype,
+        norm_weight=None if norm is None else norm.weight, norm_eps=1e-6 if norm is None else norm.eps,
+    )  # fmt: skip
 
 
 def warn_once(why: str, device: torch.device) -> None:

@@ -19,7 +19,7 @@ from .gemm import grouped_gemm
 from .plan import routing_plan
 from .quant.config import QuantConfig
 from .quant.quantize import quantize
-from .quant.scheme import UNQUANTIZED, ActivationQuant, WeightQuant
+from .quant.scheme import UNQUANTIZED, ActivationQuant, op_args
 from .reduce import weighted_reduce
 
 
@@ -125,11 +125,6 @@ def check_inputs(
     return LayerShape(num_experts, num_global, hidden, intermediate, n13, top_k)
 
 
-def _quant_args(q: ActivationQuant | WeightQuant | None) -> tuple[str, list[int]]:
-    """(dtype, group) as the ops take them; "none" when not quantized."""
-    return ("none", [-1, -1]) if q is None else (q.dtype, list(q.group.astuple()))
-
-
 def _quantize_input(x: torch.Tensor, aq: ActivationQuant | None, t: dict):
     if aq is None:
         return x, None
@@ -196,13 +191,15 @@ def fused_experts(
         x, weights = hidden_states.contiguous(), topk_weights.contiguous()
         interface, why = eager_kernels.why_not(x, w13, w2, weights, act, config, w13_bias, w2_bias, post_expert_norm)
         if why is None:
-            return eager_kernels.run(interface, x, w13, w2, weights, topk_ids, act, w13_bias, w2_bias, expert_map, post_expert_norm)
+            return eager_kernels.run(
+                interface, x, w13, w2, weights, topk_ids, act, w13_bias, w2_bias, expert_map, post_expert_norm, config
+            )  # fmt: skip
         eager_kernels.warn_once(why, hidden_states.device)
 
     scheme = config.scheme
     out_dtype = hidden_states.dtype
-    a_dtype, a_group = _quant_args(scheme.activation)
-    w_dtype, w_group = _quant_args(scheme.weight)
+    a_dtype, a_group = op_args(scheme.activation)
+    w_dtype, w_group = op_args(scheme.weight)
     t13, t2 = config.gemm("13"), config.gemm("2")
 
     offsets, gather_idx, inverse = routing_plan(topk_ids, shape.num_experts, expert_map)

@@ -138,6 +138,11 @@ class WeightQuant:
         return WEIGHT_FORMATS[self.dtype]["scales"]
 
 
+def op_args(q: ActivationQuant | WeightQuant | None) -> tuple[str, list[int]]:
+    """(dtype, group) as the ops take them: "none" and [-1, -1] when not quantized."""
+    return ("none", [-1, -1]) if q is None else (q.dtype, list(q.group.astuple()))
+
+
 def _act_key(a: ActivationQuant | None) -> tuple | None:
     return None if a is None else (a.dtype, a.group.kind)
 

@@ -86,15 +86,17 @@ def test_kernels_decline_router_weights_other_than_float32(dtype):
     assert not ok and f"router weights in {dtype}" in why
 
 
-def test_kernels_decline_a_recipe_that_only_requantizes():
+def test_a_recipe_that_only_requantizes_runs_on_decoded_operands():
     """A chain that quantizes GEMM2's input only (gate_up's out_quant_dtype, with x and both weights
-    unquantized) is still a quantized recipe: the kernels would return an unquantized bf16 intermediate
-    where the chain makes fp8 codes and their scales. It must get the reference."""
+    unquantized) is still a quantized recipe: the kernels alone would return an unquantized bf16
+    intermediate where the chain makes fp8 codes and their scales. The dequantizing path serves it (the
+    kernel's intermediate, then moe_ops::quantize as in the chain), and its reason says so."""
     args = _meta_gate_up_args()
-    assert _support("gate_up", args)[0]
+    ok, why = _support("gate_up", args)
+    assert ok and "dequantized" not in why
     args.update(out_quant_dtype="fp8", out_quant_group=[1, -1])
     ok, why = _support("gate_up", args)
-    assert not ok and "quantized" in why
+    assert ok and why.startswith("weights dequantized to torch.bfloat16 on each call"), why
 
 
 @pytest.mark.parametrize("early", [False, True])
@@ -210,15 +212,45 @@ def test_kernels_serve_each_activation_in_its_gate_layout(activation, interleave
     assert ok, why
 
 
-@pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
-def test_kernels_decline_weight_only_quantization_as_quantized(op):
-    """A weight-only quantized recipe (int4 weights, bf16 activations: w4a16) is declined as quantized,
-    the reason explain() gives, not as weights of another dtype (its packed uint8 storage)."""
+def _int4_args(op: str) -> dict:
+    """The op's meta arguments with int4 weights (w4a16: packed uint8 [E, N, K/2], bf16 activations)."""
     args = _meta_args(op)
     w = args["w"]
     args.update(w=torch.empty(*w.shape[:2], w.shape[2] // 2, dtype=torch.uint8, device="meta"), w_dtype="int4", w_group=[1, 64])
+    return args
+
+
+@pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
+def test_weight_only_quantization_runs_on_decoded_weights(op, monkeypatch):
+    """A weight-only quantized recipe (int4 weights, bf16 activations: w4a16) is served by the kernels on
+    weights decoded to bf16 (dequant_kernels.py), not declined as weights of another dtype (its packed
+    uint8 storage), and the choice names that backend and its runner."""
+    from cute_kernels import interface
+    from lowering import backend
+
+    ok, why = _support(op, _int4_args(op))
+    assert ok and why.startswith("weights dequantized to torch.bfloat16 on each call"), why
+    monkeypatch.setattr(interface, "device_support", lambda device: (True, "sm_90"))
+    recipe = getattr(backend, f"{op}_recipe")(_int4_args(op))
+    choice = backend._choose(op, recipe, torch.device("cuda"))
+    assert (choice.backend, choice.kernel) == ("cute+dequant", backend._KERNELS[op, True])
+    plain = backend._choose(op, getattr(backend, f"{op}_recipe")(_meta_args(op)), torch.device("cuda"))
+    assert (plain.backend, plain.kernel) == ("cute", backend._KERNELS[op, False])
+
+
+@pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
+def test_decoded_weights_over_the_bound_are_declined(op, monkeypatch):
+    """The dequantizing path allocates the decoded [E, N, K] weight; one larger than MAX_BYTES (an
+    unsharded DeepSeek-V3's 14 GiB) gets the reference, with the size and the remedy in the reason."""
+    from moe_ops import dequant_kernels
+
+    args = _int4_args(op)
+    e, n, k = args["w"].shape[0], args["w"].shape[1], args["w"].shape[2] * 2
+    monkeypatch.setattr(dequant_kernels, "MAX_BYTES", e * n * k * 2 - 1)
     ok, why = _support(op, args)
-    assert not ok and "quantized schemes are not implemented" in why
+    assert not ok and f"E={e}, N={n}, K={k}" in why and "expert_map" in why, why
+    monkeypatch.setattr(dequant_kernels, "MAX_BYTES", e * n * k * 2)
+    assert _support(op, args)[0]
 
 
 def test_reference_on_cuda_warns_once_per_op_and_reason(monkeypatch):

@@ -70,11 +70,28 @@ def test_why_not_serves_a_plain_bf16_call_and_names_each_obstacle(cute_interface
     assert "multiples of 64" in _reason(x96, w13_96, w2_96, tw)
     fp8 = QuantConfig(moe_ops.QuantScheme(weight=moe_ops.quant.WeightQuant("fp8", moe_ops.quant.PER_CHANNEL)),
                       w13_scale=torch.ones(E, 2 * I), w2_scale=torch.ones(E, H))  # fmt: skip
-    assert "quantized" in _reason(x, w13, w2, tw, config=fp8)
+    assert _reason(x, w13, w2, tw, config=fp8) is None  # decoded per call (dequant_kernels.py)
+    assert "bf16 or fp16" in _reason(x.float(), w13, w2, tw, config=fp8)
     shifted = torch.randn(3 * H + 1, dtype=torch.bfloat16)[1:].view(3, H)  # 2 bytes past a 16-byte boundary
     assert "16-byte" in _reason(shifted, w13, w2, tw)
     many = torch.randn(2000, 2 * I, H, dtype=torch.bfloat16)
     assert "1024" in _reason(x, many, torch.randn(2000, H, I, dtype=torch.bfloat16), tw)
+
+
+def test_why_not_reads_the_sizes_of_packed_weights_unpacked(cute_interface, monkeypatch):
+    """4-bit weights hold K/2 bytes per row: H = 192 packs into 96 columns, which is no multiple of 64,
+    but the kernels see the decoded [E, N, 192] (dequant_kernels.py) and serve the call. A decoded weight
+    over dequant_kernels.MAX_BYTES is declined with its size."""
+    from moe_ops import dequant_kernels
+
+    scheme = moe_ops.QuantScheme(None, moe_ops.quant.WeightQuant("mxfp4", moe_ops.quant.GroupShape(1, 32)))
+    layer = moe_ops.FusedMoE(E, K, 192, I, dtype=torch.bfloat16, quant_config=scheme)
+    assert layer.w13.shape[2] == 96
+    x, (tw, _) = torch.randn(3, 192, dtype=torch.bfloat16), _routing(3)
+    config = layer._quant_config
+    assert _reason(x, layer.w13, layer.w2, tw, config=config) is None
+    monkeypatch.setattr(dequant_kernels, "MAX_BYTES", E * 2 * I * 192 * 2 - 1)
+    assert "w13 decoded to torch.bfloat16 would take" in _reason(x, layer.w13, layer.w2, tw, config=config)
 
 
 def test_why_not_in_grad_mode(cute_interface):

@@ -1,0 +1,139 @@
+"""Quantized schemes on a Hopper GPU: the weights (and quantized activations) dequantized on each call to
+the activations' dtype, then the bf16/fp16 CuTe DSL kernels (cute_kernels.interface).
+
+No CuTe DSL kernel multiplies quantized operands yet. The reference, which every quantized scheme ran
+on before, multiplies float32 values on CUDA one gathered weight per grouped row (its grouped_mm has no
+float32 path without a host sync): 105 ms for a qwen3-shaped fp8 layer at M = 1024, 361 ms for gpt-oss
+in mxfp4 (bench/NOTES.md v43). Here each call decodes the weights it reads once, into the activations'
+dtype, and the kernels do the rest:
+- fewer grouped rows than experts (decoding): one decoded copy of its expert's weight per grouped row,
+  and each row its own expert for the kernels (pseudo-offsets min(r, offsets[E]): row r alone, dropped
+  rows none), so a token's k experts are decoded, not all E;
+- otherwise every expert's weight, into one [E, N, K] tensor, a chunk of experts at a time.
+The decoded tensor takes at most E x N x K elements of the activations' dtype; `why_not` declines a layer
+whose tensor would exceed MAX_BYTES (the reference then runs it, with its warning).
+
+The activations a scheme quantizes are quantized by moe_ops::quantize exactly as in the op chain, then
+dequantized for the kernels; GEMM1's output is quantized the same way for GEMM2. So the result is the
+chain's up to the roundings of the decoded values to bf16/fp16 (the reference keeps them in float32):
+about 2**-9 relative per bf16 element, below the output's own rounding.
+
+No host sync: the experts of the rows are found on the device (searchsorted), and every size is a shape.
+"""
+from __future__ import annotations
+
+import torch
+
+from .gemm import _CHUNK_BYTES, _dequantizer, row_experts
+from .quant.formats import PACKING
+from .quant.quantize import dequantize_activation, quantize
+
+# The largest decoded weight of one GEMM (E x N x K in the activations' dtype) this path allocates:
+# gpt-oss-120b's w13 takes 4.0 GiB in bf16, an unsharded DeepSeek-V3's 14 GiB (declined: shard its
+# experts with expert_map).
+MAX_BYTES = 8 << 30
+
+REASON = "weights dequantized to {dtype} on each call (no CuTe DSL kernel multiplies quantized operands yet), then "
+
+
+def decoded_bytes(num_experts: int, n: int, k: int, dtype: torch.dtype) -> int:
+    """The most bytes the decoded weight of an [E, N, K] GEMM takes in `dtype` (the whole-weight case)."""
+    return num_experts * n * k * torch.empty((), dtype=dtype).element_size()
+
+
+def why_not(which: str, num_experts: int, n: int, k: int, dtype: torch.dtype) -> str | None:
+    """Why this path cannot serve GEMM `which` ("w13" or "w2", [E, N, K] once decoded) in `dtype`, or None."""
+    size = decoded_bytes(num_experts, n, k, dtype)
+    if size > MAX_BYTES:
+        return (
+            f"{which} decoded to {dtype} would take {size / 2**30:.1f} GiB (E={num_experts}, N={n}, K={k}); the "
+            f"dequantizing path allocates at most {MAX_BYTES / 2**30:.0f} GiB per GEMM (fewer local experts, "
+            "through expert_map, make it smaller)"
+        )
+    return None
+
+
+def dequantized_experts(
+    w, w_dtype, w_group, w_scale, w_global_scale, w_zero, bias, expert_offsets, rows: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(weights [E', N, K] in dtype, bias [E', N] or None, offsets [E'+1] int32) that the kernels read as a
+    plain grouped GEMM over the same `rows` grouped rows: with rows < E one expert per row (E' = rows),
+    else all E experts with expert_offsets as they are. w: the quantized [E, N, K / packing]; bias [E, N]."""
+    if w_dtype == "none":  # a hand-written chain may quantize the activations only
+        return w.to(dtype).contiguous(), bias, expert_offsets
+    num_experts, n, k = w.shape[0], w.shape[1], w.shape[2] * PACKING[w_dtype]
+    experts = _dequantizer(w, w_dtype, w_group, w_scale, w_global_scale, w_zero)  # the CPU's decoding
+    per_row = rows < num_experts
+    idx = row_experts(expert_offsets, rows).clamp(max=num_experts - 1) if per_row else None
+    count = rows if per_row else num_experts
+    if w.device.type == "cuda":
+        from .decode_kernel import decode_experts  # Triton: imported where it runs
+
+        out = decode_experts(w, w_dtype, w_group, w_scale, w_global_scale, w_zero, idx, count, dtype)
+    else:
+        out = torch.empty((count, n, k), dtype=dtype, device=w.device)
+        step = max(1, _CHUNK_BYTES // max(1, n * k * 4))  # float32 temporaries of a chunk
+        for start in range(0, count, step):
+            out[start : start + step] = experts(idx[start : start + step] if per_row else slice(start, start + step))
+    if not per_row:
+        return out, bias, expert_offsets
+    # Pseudo-expert r holds row r alone; rows from offsets[E] on (dropped pairs) belong to none.
+    end = expert_offsets[num_experts : num_experts + 1].to(torch.int32)
+    offsets = torch.minimum(torch.arange(rows + 1, device=w.device, dtype=torch.int32), end)
+    return out, (None if bias is None else bias[idx]), offsets
+
+
+def _activations(a, a_dtype, a_group, a_scale, a_global_scale, dtype):
+    """a as the kernels read it: dequantized to dtype when a_dtype says it is quantized."""
+    if a_dtype == "none":
+        return a
+    return dequantize_activation(a, a_dtype, a_group, a_scale, a_global_scale).to(dtype)
+
+
+def gate_up(
+    interface, *, x, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
+    bias, expert_offsets, gather_idx, activation, alpha, limit, interleaved, gate_layout,
+    out_quant_dtype, out_quant_group, out_scale, out_global_scale, out_dtype, expert_ids=None,
+):  # fmt: skip
+    """moe_ops::gate_up through the kernels (the op's arguments, plus the kernels' gate_layout): x [M, H]
+    quantized and dequantized as a_dtype says, w decoded (dequantized_experts), GEMM1 + activation in the
+    kernel, the intermediate [P, I] quantized as out_quant_dtype says. Returns (intermediate, scale) as the
+    op does. expert_ids is not read: the kernel's expert hint indexes E experts, not pseudo-experts."""
+    dtype = x.dtype
+    if a_dtype != "none":
+        q, s = quantize(x, a_dtype, list(a_group), a_scale, a_global_scale)
+        x = _activations(q, a_dtype, a_group, s, a_global_scale, dtype)
+    rows = gather_idx.shape[0]
+    wd, bd, offsets = dequantized_experts(
+        w, w_dtype, w_group, w_scale, w_global_scale, w_zero, bias, expert_offsets, rows, dtype
+    )  # fmt: skip
+    inter = wd.shape[1] // 2 if gate_layout != "none" else wd.shape[1]
+    # The kernel leaves dropped pairs' rows unwritten; a quantizer reads every row (a per-tensor scale
+    # would take a stale row's values), so they start as zeros, as the reference's rows are.
+    out = torch.zeros(rows, inter, dtype=dtype, device=x.device) if out_quant_dtype != "none" else None
+    h = interface.gate_up(
+        x, wd, bd, offsets, gather_idx, activation=activation,
+        alpha=alpha, limit=limit, gate_layout=gate_layout, out=out,
+    )  # fmt: skip
+    if out_quant_dtype == "none":
+        return h, h.new_empty((0,), dtype=torch.float32)
+    return quantize(h, out_quant_dtype, list(out_quant_group), out_scale, out_global_scale)
+
+
+def down_reduce(
+    interface, *, a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
+    bias, expert_offsets, topk_weights, inverse, out_dtype, weights_early=False, norm_weight=None, norm_eps=1e-6,
+):  # fmt: skip
+    """moe_ops::down_reduce through the kernels: a [P, I'] dequantized to out_dtype, w decoded
+    (dequantized_experts), GEMM2 + [norm] + router weight + token sum in the kernels. [M, H] in out_dtype.
+    weights_early is not used: the kernel before GEMM2 is now the decoding that writes its weights."""
+    rows = a.shape[0]
+    x = _activations(a, a_dtype, a_group, a_scale, a_global_scale, out_dtype)
+    wd, bd, offsets = dequantized_experts(
+        w, w_dtype, w_group, w_scale, w_global_scale, w_zero, bias, expert_offsets, rows, out_dtype
+    )  # fmt: skip
+    norm = {} if norm_weight is None else dict(norm_weight=norm_weight, norm_eps=norm_eps)
+    return interface.down_reduce(
+        x.contiguous(), wd, bd, offsets, topk_weights, inverse,
+        weights_early=False, **norm,
+    )  # fmt: skip

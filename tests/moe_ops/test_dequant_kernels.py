@@ -1,0 +1,280 @@
+"""moe_ops/dequant_kernels.py on the CPU: the decoded weights and pseudo-offsets it hands the kernels, and
+its two compositions with the kernels stood in for by moe_ops' reference ops (with the kernels' contract:
+GEMM1 leaves the rows of dropped pairs unwritten), against the op chain that fused_experts runs.
+The GPU tests (test_eager_kernels.py, tests/lowering/test_fused_ops_gpu.py) run the real kernels."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import moe_ops
+from moe_ops import dequant_kernels
+from moe_ops.activation import Activation
+from moe_ops.activation import activation as activation_op
+from moe_ops.eager_kernels import _run_quantized
+from moe_ops.expert_norm import post_expert_norm
+from moe_ops.fused_experts import fused_experts
+from moe_ops.gemm import grouped_gemm, row_experts
+from moe_ops.plan import routing_plan
+from moe_ops.quant import formats
+from moe_ops.reduce import weighted_reduce
+from moe_ops.reference import moe_float64, relative_error, tolerance
+
+from .test_numerics import _act_quant, _calibrated, _quant_layer
+
+
+STALE = 6e4
+
+
+class ReferenceKernels:
+    """cute_kernels.interface's gate_up and down_reduce computed by moe_ops' reference ops, checking what
+    the kernels require of their inputs; GEMM1's rows at or past offsets[E'] stay as they were, as the
+    kernel leaves them: a fresh output's rows hold STALE, as torch.empty's stale memory may (a finite
+    value, which a per-tensor amax would take, unlike a NaN it skips)."""
+
+    calls: list
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def _check(x, w, bias, offsets):
+        assert w.dtype == x.dtype and w.is_contiguous() and x.is_contiguous(), (w.dtype, x.dtype)
+        assert offsets.dtype == torch.int32 and offsets.shape == (w.shape[0] + 1,)
+        assert bias is None or (bias.shape == w.shape[:2] and bias.is_contiguous())
+
+    def gate_up(self, x, w, bias, offsets, gather, *, activation, alpha, limit, gate_layout, out=None, expert_ids=None):
+        self._check(x, w, bias, offsets)
+        self.calls.append(("gate_up", w.shape[0]))
+        h = grouped_gemm(x, None, None, "none", [-1, -1], w, None, None, None, "none", [-1, -1], bias, offsets, gather, x.dtype)
+        h = activation_op(h, activation, alpha, limit, gate_layout == "interleaved")
+        out = torch.full_like(h, STALE) if out is None else out
+        written = torch.arange(h.shape[0]) < offsets[-1]
+        out[written] = h[written]
+        return out
+
+    def down_reduce(self, a, w, bias, offsets, topk_weights, inverse, weights_early=False, norm_weight=None, norm_eps=1e-6):
+        self._check(a, w, bias, offsets)
+        assert not weights_early  # the decoding right before GEMM2 writes its weights
+        self.calls.append(("down_reduce", w.shape[0]))
+        y = grouped_gemm(a, None, None, "none", [-1, -1], w, None, None, None, "none", [-1, -1], bias, offsets, None, a.dtype)
+        if norm_weight is not None:
+            y = post_expert_norm(y, norm_weight, norm_eps)
+        return weighted_reduce(y, topk_weights, inverse, offsets)
+
+
+def _int8_weights(num_experts=6, n=24, k=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (num_experts, n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(num_experts, n, 1, generator=g) + 0.5
+    return q, scale
+
+
+def _offsets(counts: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fewer_rows_than_experts_decode_one_expert_per_row(dtype):
+    """rows < E: row r gets its own expert's decoded weight and bias, the offsets make it a pseudo-expert
+    of one row, and the rows of dropped pairs (past offsets[E]) belong to no pseudo-expert."""
+    q, scale = _int8_weights()
+    bias = torch.randn(6, 24)
+    offsets = _offsets([0, 2, 0, 1, 0, 0])  # 3 routed rows; rows 3 and 4 dropped
+    w, b, pseudo = dequant_kernels.dequantized_experts(q, "int8", [1, -1], scale, None, None, bias, offsets, 5, dtype)
+    full = formats.dequantize(q, "int8", (1, -1), scale)
+    experts = torch.tensor([1, 1, 3, 5, 5])  # dropped rows decode the last expert: never multiplied
+    assert w.dtype == dtype and w.is_contiguous()
+    assert torch.equal(w, full[experts].to(dtype)) and torch.equal(b, bias[experts])
+    assert pseudo.dtype == torch.int32 and pseudo.tolist() == [0, 1, 2, 3, 3, 3]
+
+
+def test_as_many_rows_as_experts_decode_every_expert_once():
+    q, scale = _int8_weights()
+    offsets = _offsets([3, 0, 1, 2, 0, 0])
+    w, b, same = dequant_kernels.dequantized_experts(q, "int8", [1, -1], scale, None, None, None, offsets, 6, torch.bfloat16)
+    assert torch.equal(w, formats.dequantize(q, "int8", (1, -1), scale).to(torch.bfloat16))
+    assert b is None and same is offsets
+
+
+def test_decoding_in_chunks_matches_one_piece(monkeypatch):
+    """The float32 temporaries are bounded by decoding a chunk of experts (or rows) at a time."""
+    q, scale = _int8_weights()
+    whole = dequant_kernels.dequantized_experts(q, "int8", [1, -1], scale, None, None, None, _offsets([1] * 6), 6, torch.float32)[0]
+    monkeypatch.setattr(dequant_kernels, "_CHUNK_BYTES", 24 * 32 * 4 * 2)  # two experts per chunk
+    chunked = dequant_kernels.dequantized_experts(q, "int8", [1, -1], scale, None, None, None, _offsets([1] * 6), 6, torch.float32)[0]
+    assert torch.equal(whole, chunked)
+
+
+def test_why_not_bounds_the_decoded_weight():
+    assert dequant_kernels.why_not("w13", 128, 5760, 2880, torch.bfloat16) is None  # gpt-oss-120b: 4.0 GiB
+    why = dequant_kernels.why_not("w13", 256, 4096, 7168, torch.bfloat16)  # DeepSeek-V3 unsharded
+    assert why.startswith("w13 decoded to torch.bfloat16 would take 14.0 GiB (E=256, N=4096, K=7168)"), why
+
+
+# scheme, M, dtype, with an expert map (a rank holding 4 of 5 experts: some pairs dropped)
+CASES = [
+    ("fp8_w8a8_block", 1, torch.float32, False),
+    ("fp8_w8a8_block", 96, torch.bfloat16, False),
+    ("fp8_w8a8_per_tensor_dynamic", 2, torch.float32, True),
+    ("fp8_w8a8_per_tensor_dynamic", 64, torch.float32, True),
+    ("mxfp4_w4a16", 1, torch.bfloat16, False),
+    ("mxfp4_w4a16", 40, torch.float32, True),
+    ("int4_w4a16_zero_point", 33, torch.float32, False),
+    ("nvfp4_w4a4", 2, torch.float32, False),
+    ("nvfp4_w4a4", 50, torch.float32, True),
+    ("int8_w8a8_static", 20, torch.float32, False),
+]
+
+
+@pytest.mark.parametrize("case, m, dtype, mapped", CASES, ids=[f"{c}-M{m}-{str(d)[6:]}{'-map' if e else ''}" for c, m, d, e in CASES])
+def test_compositions_match_the_op_chain(case, m, dtype, mapped):
+    """gate_up then down_reduce of the dequantizing path, with the reference standing in for the kernels,
+    give fused_experts' op chain: the decoded per-row or whole weights, the pseudo-offsets, the biases per
+    row, the quantization of x and of the intermediate. With an expert map, the rows of dropped pairs
+    (left unwritten by the kernel) must not reach a per-tensor scale."""
+    scheme, x, q13, q2, config, d13, _, tw, ids, biases = _quant_layer(case, dtype, m=m)
+    config = _calibrated(scheme, config, x, d13, ids, q13.shape[0], biases)
+    expert_map = torch.tensor([0, 1, -1, 2, 3]) if mapped else None
+    if mapped:  # the rank's 4 local experts: drop expert 2's weights
+        keep = torch.tensor([0, 1, 3, 4])
+        q13, q2 = q13[keep].contiguous(), q2[keep].contiguous()
+        config = _local(config, keep)
+    want = fused_experts(x, q13, q2, tw, ids, quant_config=config, expert_map=expert_map)
+    offsets, gather_idx, inverse = routing_plan(ids, q13.shape[0], expert_map)
+    kernels = ReferenceKernels()
+    got = _run_quantized(
+        kernels, x, q13, q2, tw, Activation(), config.w13_bias, config.w2_bias, None, config, offsets, gather_idx, inverse
+    )
+    rows = ids.numel()
+    per_row = rows < q13.shape[0]
+    assert kernels.calls == [("gate_up", rows if per_row else q13.shape[0]), ("down_reduce", rows if per_row else q13.shape[0])]
+    a_dtype = None if scheme.activation is None else scheme.activation.dtype
+    assert got.dtype == dtype
+    err = relative_error(got, want)
+    assert err <= tolerance(dtype, a_dtype, fake_quant=True), (case, err)
+
+
+def _local(config, keep):
+    """config with its per-expert tensors ([E, ...] weight scales, zero points, global scales, biases) kept
+    for the local experts only."""
+    changes = {}
+    for name, t in config.tensors().items():
+        if t is not None and name.startswith("w") and t.dim() and t.shape[0] == 5:
+            changes[name] = t[keep].contiguous()
+    return dataclasses.replace(config, **changes)
+
+
+def test_row_experts_of_dropped_rows_is_E():
+    """The decoding clamps the experts of dropped rows (row_experts gives E for them) to a real one."""
+    assert row_experts(_offsets([1, 0, 1]), 4).tolist() == [0, 2, 3, 3]
+
+
+# ---- on a Hopper GPU ------------------------------------------------------------------------------
+
+
+def _hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the CuTe DSL kernels need a Hopper (sm_90) GPU")
+    pytest.importorskip("cute_kernels.interface")
+
+
+def _cuda_layer(case, m, num_experts=5):
+    """A bf16 layer of `case` on the GPU (k = 2: fewer than num_experts rows take the per-row decoding,
+    more the whole one), with the float64 reference's output for the weights the kernels multiply:
+    decoded, then rounded to bf16."""
+    scheme, x, q13, q2, config, d13, d2, tw, ids, biases = _quant_layer(case, torch.bfloat16, m=m, num_experts=num_experts)
+    config = _calibrated(scheme, config, x, d13, ids, q13.shape[0], biases)
+    d13, d2 = (d.to(torch.bfloat16).to(d.dtype) for d in (d13, d2))
+    ref = moe_float64(x, d13, d2, tw, ids, act_quant=_act_quant(scheme, config), intermediate_dtype=torch.bfloat16, **biases)
+    cuda = dataclasses.replace(config, **{k: v.cuda() for k, v in config.tensors().items() if v is not None})
+    a_dtype = None if scheme.activation is None else scheme.activation.dtype
+    return (x.cuda(), q13.cuda(), q2.cuda(), tw.cuda(), ids.cuda(), cuda), ref, tolerance(torch.bfloat16, a_dtype, fake_quant=True)
+
+
+GPU_CASES = [
+    "fp8_w8a8_block", "fp8_w8a8_per_tensor_dynamic", "fp8_w8a8_per_token", "fp8_w8a16_per_channel", "int8_w8a8_dynamic",
+    "int4_w4a16_zero_point", "nvfp4_w4a4", "mxfp4_w4a16", "mxfp4_w4a8_per_tensor_static",
+]  # fmt: skip
+
+
+# (M, E): 32 rows for 64 experts take the per-row decoding, the others the whole one. Not M = 1 here: the
+# decoded activations are rounded to bf16 too, and with GEMM2's input two rows of a per-tensor fp8
+# scheme, the codes this flips weigh 0.032 against the float64 reference (tolerance 0.022; the CPU
+# numerics tests size their layers for the same reason). M = 1 runs in the graph test below, and
+# against the op chain in test_compositions_match_the_op_chain.
+GPU_SIZES = [(16, 64), (37, 5), (300, 5)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, num_experts", GPU_SIZES)
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_quantized_call_runs_the_kernels_on_decoded_weights(case, m, num_experts):
+    """An eager quantized call on sm_90: no fallback warning, the kernels' launches (no grouped_mm or bmm
+    of the reference), the float64 result with activation quantization re-applied, and bit for bit the
+    output of the same call compiled with the lowering (require_kernels: the same path there)."""
+    _hopper()
+    import lowering
+    from moe_ops.bench import kernel_launches
+
+    (x, q13, q2, tw, ids, config), ref, tol = _cuda_layer(case, m, num_experts)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fused_experts(x, q13, q2, tw, ids, quant_config=config)
+        with moe_ops.value_checks(False):
+            names = kernel_launches(lambda: fused_experts(x, q13, q2, tw, ids, quant_config=config))
+    assert not [w for w in caught if "runs the reference" in str(w.message)], "a fallback warned"
+    assert sum("MoeGemm" in n for n in names) == 2, names
+    assert not any("grouped_mm" in n or "bmm" in n.lower() or "Cijk" in n for n in names), names
+    err = relative_error(out.cpu(), ref)
+    assert err <= tol, (case, m, err)
+    torch._dynamo.reset()
+    with torch.no_grad(), lowering.enabled(require_kernels=True):
+        compiled = torch.compile(fused_experts, fullgraph=True)(x, q13, q2, tw, ids, quant_config=config)
+    assert torch.equal(out, compiled)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", (1, 16))
+def test_quantized_call_captures_in_a_cuda_graph(m):
+    """The dequantizing path captured in a CUDA graph (no host sync anywhere: capture would fail): each
+    replay reads the routing copied into the captured tensors and equals an eager call with it."""
+    _hopper()
+    (x, q13, q2, tw, ids, config), _, _ = _cuda_layer("fp8_w8a8_block", m)
+    routings = [(torch.rand_like(tw), torch.stack([torch.randperm(5)[:2] for _ in range(m)]).to(ids)) for _ in range(2)]
+    with torch.no_grad():
+        fused_experts(x, q13, q2, tw, ids, quant_config=config)  # compile the kernels outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with moe_ops.value_checks(False), torch.cuda.graph(graph):
+            out = fused_experts(x, q13, q2, tw, ids, quant_config=config)
+        for new_weights, new_ids in routings:
+            tw.copy_(new_weights)
+            ids.copy_(new_ids)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, fused_experts(x, q13, q2, new_weights, new_ids, quant_config=config))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", (2, 64))
+def test_quantized_call_with_dropped_pairs(m):
+    """An expert map (expert 2 on another rank) with a per-tensor dynamic scale for GEMM2's input: the
+    rows of dropped pairs, which GEMM1 leaves unwritten, must not reach the scale."""
+    _hopper()
+    scheme, x, q13, q2, config, d13, _, tw, ids, biases = _quant_layer("fp8_w8a8_per_tensor_dynamic", torch.bfloat16, m=m)
+    keep = torch.tensor([0, 1, 3, 4])
+    local = _local(config, keep)
+    want = fused_experts(x, q13[keep].contiguous(), q2[keep].contiguous(), tw, ids, quant_config=local,
+                         expert_map=torch.tensor([0, 1, -1, 2, 3]))  # the CPU's op chain  # fmt: skip
+    cuda = dataclasses.replace(local, **{k: v.cuda() for k, v in local.tensors().items() if v is not None})
+    # Stale values where the intermediate will be allocated: what a reused block of the cache holds.
+    torch.full((1 << 20,), 6e4, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = fused_experts(x.cuda(), q13[keep].contiguous().cuda(), q2[keep].contiguous().cuda(), tw.cuda(), ids.cuda(),
+                            quant_config=cuda, expert_map=torch.tensor([0, 1, -1, 2, 3], device="cuda"))  # fmt: skip
+    a_dtype = scheme.activation.dtype
+    assert relative_error(got.cpu().float(), want.float()) <= tolerance(torch.bfloat16, a_dtype, fake_quant=True)
