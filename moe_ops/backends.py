@@ -4,7 +4,8 @@ Backends:
 - reference: plain PyTorch (moe_ops' own ops), every scheme, on any device with the dtypes it needs.
   It dequantizes weights on each call: right everywhere, fast nowhere.
 - cute: the CuTe DSL grouped-GEMM kernels (cute_kernels) on Hopper (sm_90) GPUs: behind the fused ops
-  of the lowering when compiled, called by fused_experts itself when eager (eager_kernels.py).
+  of the lowering when compiled, called by fused_experts itself when eager (eager_kernels.py); for a
+  quantized scheme on weights decoded per call (dequant_kernels.py).
 `support_table()` prints the answer to "why is this slow / unsupported?".
 """
 from __future__ import annotations
@@ -24,10 +25,14 @@ _REFERENCE_DEVICES = {
 }
 _FP8_SCHEMES = {n for n in SCHEMES if n.startswith("fp8") or n in ("mxfp4_w4a8", "nvfp4_w4a16", "nvfp4_w4a4")}
 
-# Schemes the CuTe DSL kernels implement (cute_kernels.interface has the per-call checks: H and I
-# multiples of 64, row-major weights, contiguous inputs), with the activation dtypes they take.
-CUTE_SCHEMES = {"unquantized": (torch.bfloat16, torch.float16)}
-CUTE_NOT_YET = "no CuTe DSL kernel for this scheme yet; runs on the reference"
+# The activation dtypes the CuTe DSL kernels take (cute_kernels.interface has the per-call checks: H and
+# I multiples of 64, row-major weights, contiguous inputs). Quantized schemes run them on weights
+# decoded to that dtype on each call (dequant_kernels.py): no kernel multiplies quantized operands yet.
+CUTE_DTYPES = (torch.bfloat16, torch.float16)
+CUTE_DECODED = (
+    "weights (and quantized activations) decoded to the activations' dtype on each call, then the bf16/fp16 "
+    "kernels; no kernel multiplies quantized operands yet (decoded weights up to 8 GiB per GEMM)"
+)
 
 
 @dataclass(frozen=True)
@@ -64,10 +69,10 @@ def cute_support(scheme: str, device: torch.device | str, dtype: torch.dtype = t
         label = f"cuda sm_{capability[0]}{capability[1]}" if capability else "cuda"
     if capability != (9, 0):
         return Support("cute", scheme, label, False, f"the kernels use Hopper's wgmma and TMA (sm_90), device is {capability}")
-    if scheme not in CUTE_SCHEMES:
-        return Support("cute", scheme, label, False, CUTE_NOT_YET)
-    if dtype not in CUTE_SCHEMES[scheme]:
-        return Support("cute", scheme, label, False, f"activations in {dtype}; the kernels take {CUTE_SCHEMES[scheme]}")
+    if dtype not in CUTE_DTYPES:
+        return Support("cute", scheme, label, False, f"activations in {dtype}; the kernels take {CUTE_DTYPES}")
+    if scheme != "unquantized":
+        return Support("cute", scheme, label, True, CUTE_DECODED)
     return Support("cute", scheme, label, True, "CuTe DSL grouped GEMMs with fused epilogues (H, I multiples of 64, row-major weights)")
 
 
@@ -76,6 +81,12 @@ def check_device_supports(scheme: str, device: torch.device) -> None:
     s = reference_support(scheme, device)
     if not s.supported:
         raise ValueError(f"quant_config: scheme {scheme} cannot run on {device}: {s.reason}")
+
+
+def _cell(s: Support) -> str:
+    if not s.supported:
+        return "no: " + s.reason
+    return "yes, decoded per call" if s.reason == CUTE_DECODED else "yes"
 
 
 def support_table() -> str:
@@ -88,5 +99,5 @@ def support_table() -> str:
             reference_support(scheme, "cuda"),
             cute_support(scheme, "cuda", torch.bfloat16, capability=(9, 0)),
         ]
-        lines.append(f"| {scheme} | " + " | ".join(("yes" if c.supported else "no: " + c.reason) for c in cells) + " |")
+        lines.append(f"| {scheme} | " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines)

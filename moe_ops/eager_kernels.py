@@ -6,12 +6,13 @@ grouped_mm with float32 intermediates: 54-58 kernels per call of the qwen3 and g
 eager call whose recipe the kernels serve runs them directly, as the lowering's fused ops would: the
 routing plan, then gate_up (gather + GEMM1 + activation) and down_reduce (GEMM2 + the router-weighted
 token sum), four launches, the same outputs bit for bit as the compiled layer's (bench/NOTES.md v41
-has the times). The op chain still runs where it must:
+has the times). A quantized scheme runs them on weights decoded per call (dequant_kernels.py). The op
+chain still runs where it must:
 - under torch.compile, torch.export and torch.jit.trace (a tracer records the chain's ops), on tensors
   without values (fake, meta) and off CUDA;
 - where the kernels cannot serve the call: in grad mode with an input that requires grad (the chain's
   ops carry the backward that raises, forward_only.py; the kernels' output would have no grad_fn at
-  all), a quantized scheme, another GPU than sm_90, column-major weights, ... Such a CUDA call warns
+  all), another GPU than sm_90, column-major weights, ... Such a CUDA call warns
   once per reason: nothing falls back silently (the lowering's fused ops warn the same way).
 """
 from __future__ import annotations

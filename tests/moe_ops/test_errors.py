@@ -475,14 +475,15 @@ def test_cute_support_reasons(case):
 
 def test_support_table_rows():
     """One row per scheme: the reference serves every scheme on CPU and CUDA; the CuTe DSL kernels
-    (bf16, sm_90) only the unquantized one, with the reason printed for the others (quantized schemes
-    run on the reference even on a Hopper GPU)."""
+    (bf16, sm_90) every scheme, the quantized ones on weights decoded per call (dequant_kernels.py),
+    which the cell says."""
     rows = BACKENDS.support_table().splitlines()[2:]
     assert [r.split(" | ")[0].removeprefix("| ") for r in rows] == list(quant.SCHEMES)
     for row in rows:
         scheme, ref_cpu, ref_cuda, cute = (c.strip() for c in row.strip("| ").split(" | "))
         assert ref_cpu == ref_cuda == "yes", row
-        assert cute == ("yes" if scheme == "unquantized" else "no: " + BACKENDS.CUTE_NOT_YET), row
+        assert cute == ("yes" if scheme == "unquantized" else "yes, decoded per call"), row
+        assert BACKENDS.cute_support(scheme, "cuda", torch.float32, capability=(9, 0)).supported is False
 
 
 # ---- the quantization vocabulary -----------------------------------------------------------------
