@@ -9,7 +9,8 @@ dtype, and the kernels do the rest:
 - fewer grouped rows than experts (decoding): one decoded copy of its expert's weight per grouped row,
   and each row its own expert for the kernels (pseudo-offsets min(r, offsets[E]): row r alone, dropped
   rows none), so a token's k experts are decoded, not all E;
-- otherwise every expert's weight, into one [E, N, K] tensor, a chunk of experts at a time.
+- otherwise every expert's weight, into one [E, N, K] tensor.
+On CUDA one Triton launch decodes them (decode_kernel.py); on the CPU (tests) torch does, a chunk at a time.
 The decoded tensor takes at most E x N x K elements of the activations' dtype; `why_not` declines a layer
 whose tensor would exceed MAX_BYTES (the reference then runs it, with its warning).
 
@@ -38,7 +39,7 @@ REASON = "weights dequantized to {dtype} on each call (no CuTe DSL kernel multip
 
 def decoded_bytes(num_experts: int, n: int, k: int, dtype: torch.dtype) -> int:
     """The most bytes the decoded weight of an [E, N, K] GEMM takes in `dtype` (the whole-weight case)."""
-    return num_experts * n * k * torch.empty((), dtype=dtype).element_size()
+    return num_experts * n * k * dtype.itemsize
 
 
 def why_not(which: str, num_experts: int, n: int, k: int, dtype: torch.dtype) -> str | None:
