@@ -6,11 +6,11 @@ on before, multiplies float32 values on CUDA one gathered weight per grouped row
 float32 path without a host sync): 105 ms for a qwen3-shaped fp8 layer at M = 1024, 361 ms for gpt-oss
 in mxfp4 (bench/NOTES.md v43). Here each call decodes the weights it reads once, into the activations'
 dtype, and the kernels do the rest:
-- fewer grouped rows than experts (decoding): one decoded copy of its expert's weight per grouped row,
-  and each row its own expert for the kernels (pseudo-offsets min(r, offsets[E]): row r alone, dropped
-  rows none), so a token's k experts are decoded, not all E;
-- otherwise every expert's weight, into one [E, N, K] tensor.
-On CUDA one Triton launch decodes them (decode_kernel.py); on the CPU (tests) torch does, a chunk at a time.
+- the experts with grouped rows are packed into S = min(rows, E) slots (expert_slots.py), and the kernels
+  run a plain grouped GEMM over the slots' decoded weights and offsets;
+- on CUDA only the slots with rows are decoded, in one Triton launch (decode_kernel.py): a token's k
+  experts at M = 1, the experts in use at M = 16 (about 60% of qwen3's 128, 40% of gpt-oss's), each
+  once; on the CPU (tests) torch decodes every slot, a chunk at a time.
 The decoded tensor takes at most E x N x K elements of the activations' dtype; `why_not` declines a layer
 whose tensor would exceed MAX_BYTES (the reference then runs it, with its warning).
 
@@ -19,13 +19,14 @@ dequantized for the kernels; GEMM1's output is quantized the same way for GEMM2.
 chain's up to the roundings of the decoded values to bf16/fp16 (the reference keeps them in float32):
 about 2**-9 relative per bf16 element, below the output's own rounding.
 
-No host sync: the experts of the rows are found on the device (searchsorted), and every size is a shape.
+No host sync: the slots are found on the device, and every size is a shape.
 """
 from __future__ import annotations
 
 import torch
 
-from .gemm import _CHUNK_BYTES, _dequantizer, row_experts
+from .expert_slots import expert_slots
+from .gemm import _CHUNK_BYTES, _dequantizer
 from .quant.formats import PACKING
 from .quant.quantize import dequantize_activation, quantize
 
@@ -57,30 +58,26 @@ def why_not(which: str, num_experts: int, n: int, k: int, dtype: torch.dtype) ->
 def dequantized_experts(
     w, w_dtype, w_group, w_scale, w_global_scale, w_zero, bias, expert_offsets, rows: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(weights [E', N, K] in dtype, bias [E', N] or None, offsets [E'+1] int32) that the kernels read as a
-    plain grouped GEMM over the same `rows` grouped rows: with rows < E one expert per row (E' = rows),
-    else all E experts with expert_offsets as they are. w: the quantized [E, N, K / packing]; bias [E, N]."""
+    """(weights [S, N, K] in dtype, bias [S, N] or None, offsets [S+1] int32) that the kernels read as a
+    plain grouped GEMM over the same `rows` grouped rows: S = min(rows, E) slots, the experts with rows
+    packed into the first ones (expert_slots.py), the rest empty. w: the quantized [E, N, K / packing];
+    bias [E, N]. On CUDA only the slots with rows are decoded (the others stay uninitialised: the kernels
+    read no weight of a slot without rows)."""
     if w_dtype == "none":  # a hand-written chain may quantize the activations only
         return w.to(dtype).contiguous(), bias, expert_offsets
     num_experts, n, k = w.shape[0], w.shape[1], w.shape[2] * PACKING[w_dtype]
-    experts = _dequantizer(w, w_dtype, w_group, w_scale, w_global_scale, w_zero)  # the CPU's decoding
-    per_row = rows < num_experts
-    idx = row_experts(expert_offsets, rows).clamp(max=num_experts - 1) if per_row else None
-    count = rows if per_row else num_experts
+    slots = min(rows, num_experts)
+    idx, offsets = expert_slots(expert_offsets, num_experts, slots)
     if w.device.type == "cuda":
         from .decode_kernel import decode_experts  # Triton: imported where it runs
 
-        out = decode_experts(w, w_dtype, w_group, w_scale, w_global_scale, w_zero, idx, count, dtype)
+        out = decode_experts(w, w_dtype, w_group, w_scale, w_global_scale, w_zero, idx, slots, dtype, offsets=offsets)
     else:
-        out = torch.empty((count, n, k), dtype=dtype, device=w.device)
+        experts = _dequantizer(w, w_dtype, w_group, w_scale, w_global_scale, w_zero)
+        out = torch.empty((slots, n, k), dtype=dtype, device=w.device)
         step = max(1, _CHUNK_BYTES // max(1, n * k * 4))  # float32 temporaries of a chunk
-        for start in range(0, count, step):
-            out[start : start + step] = experts(idx[start : start + step] if per_row else slice(start, start + step))
-    if not per_row:
-        return out, bias, expert_offsets
-    # Pseudo-expert r holds row r alone; rows from offsets[E] on (dropped pairs) belong to none.
-    end = expert_offsets[num_experts : num_experts + 1].to(torch.int32)
-    offsets = torch.minimum(torch.arange(rows + 1, device=w.device, dtype=torch.int32), end)
+        for start in range(0, slots, step):
+            out[start : start + step] = experts(idx[start : start + step])
     return out, (None if bias is None else bias[idx]), offsets
 
 
@@ -99,7 +96,7 @@ def gate_up(
     """moe_ops::gate_up through the kernels (the op's arguments, plus the kernels' gate_layout): x [M, H]
     quantized and dequantized as a_dtype says, w decoded (dequantized_experts), GEMM1 + activation in the
     kernel, the intermediate [P, I] quantized as out_quant_dtype says. Returns (intermediate, scale) as the
-    op does. expert_ids is not read: the kernel's expert hint indexes E experts, not pseudo-experts."""
+    op does. expert_ids is not read: the kernel's expert hint indexes E experts, not slots."""
     dtype = x.dtype
     if a_dtype != "none":
         q, s = quantize(x, a_dtype, list(a_group), a_scale, a_global_scale)

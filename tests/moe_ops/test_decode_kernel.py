@@ -14,6 +14,9 @@ CASES = [
     ("fp8", (-1, -1), False), ("fp8", (1, -1), False), ("fp8", (32, 32), False), ("int8", (1, -1), False),
     ("int8", (1, 32), False), ("int4", (1, 32), False), ("int4", (1, 32), True), ("nvfp4", (1, 16), False),
     ("mxfp4", (1, 32), False),
+    # groups that do not tile the kernel's 256-column block (a scale per element), and a block inside
+    # one of two column groups
+    ("int4", (1, 96), True), ("fp8", (256, 256), False),
 ]  # fmt: skip
 
 _SCRIPT = r"""
@@ -47,8 +50,32 @@ for dtype in (torch.bfloat16, torch.float16):
         if fmt in ("fp8", "mxfp4") and not want.isnan().any():
             print("the NaN case did not happen")
             bad += 1
+    # With offsets, entries without grouped rows are left as they were (a sentinel no code decodes to).
+    for idx, count, offsets in ((None, 5, [0, 2, 2, 5, 5, 7]), (torch.tensor([3, 0, 3, 4], device=device), 4, [0, 1, 1, 2, 2])):
+        out = torch.full((count, 40, 288), -12345.0, dtype=dtype, device=device)
+        offsets = torch.tensor(offsets, dtype=torch.int32, device=device)
+        got = decode_experts(t["q"], fmt, (gr, gc), t["scale"], t["global_scale"], t["zero"], idx, count, dtype, offsets=offsets, out=out)
+        full = decode_experts(t["q"], fmt, (gr, gc), t["scale"], t["global_scale"], t["zero"], idx, count, dtype)
+        active = (offsets[1:] > offsets[:-1]).cpu()
+        if got.data_ptr() != out.data_ptr() or not (got[~active] == -12345.0).all():
+            bad += 1
+            print("an entry without rows was written:", dtype, idx is not None)
+        if not torch.equal(got[active].nan_to_num(), full[active].nan_to_num()) or not torch.equal(got[active].isnan(), full[active].isnan()):
+            bad += 1
+            print("an entry with rows differs:", dtype, idx is not None)
 print("bad", bad)
 """
+
+
+def test_decode_rejects_a_wrong_out_or_offsets():
+    from moe_ops.decode_kernel import decode_experts
+
+    q = torch.zeros(3, 8, 32, dtype=torch.float8_e4m3fn)
+    scale = torch.ones(3, 1, 1)
+    with pytest.raises(ValueError, match=r"offsets: expected \[4\]"):
+        decode_experts(q, "fp8", (-1, -1), scale, None, None, None, 3, torch.bfloat16, offsets=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"out: expected a contiguous torch.bfloat16 \[3, 8, 32\]"):
+        decode_experts(q, "fp8", (-1, -1), scale, None, None, None, 3, torch.bfloat16, out=torch.empty(3, 8, 31, dtype=torch.bfloat16))
 
 
 def _args(fmt, group, zp, device):
