@@ -181,6 +181,7 @@ def decode_experts(
     offsets[r + 1] > offsets[r], the others are left as they are (the kernels read no expert without
     rows). out: where to write (a fresh tensor without it). One launch; no host sync."""
     code, packing = CODES[fmt]
+    q = q.contiguous()
     num_experts, n, q_cols = q.shape
     cols = q_cols * packing
     # Scales are read as stored (decoded in the kernel): a decoding step would read and write every

@@ -287,3 +287,23 @@ def test_slots_without_rows_are_never_read(m):
         torch.full((1 << 28,), float("nan"), device="cuda", dtype=torch.bfloat16)  # 512 MiB of NaN, freed to the cache
         got = fused_experts(x, q13, q2, tw, ids, quant_config=config)
     assert torch.isfinite(got).all() and torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "a_dtype, group, static", [("fp8", [1, 128], False), ("fp8", [1, -1], False), ("fp8", [-1, -1], True), ("int8", [1, -1], False), ("nvfp4", [1, 16], True)]
+)  # fmt: skip
+def test_activations_decode_on_the_gpu_as_torch_does(a_dtype, group, static):
+    """The quantized activations the kernels read, decoded by the Triton kernel on CUDA: bit for bit
+    dequantize_activation(...).to(bf16), as on the CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from moe_ops.quant.quantize import dequantize_activation, quantize
+
+    x = torch.randn(37, 512, device="cuda", dtype=torch.bfloat16) * torch.exp(torch.randn(37, 1, device="cuda"))
+    scale = x.abs().amax().float().reshape(1) / 448 if static and a_dtype == "fp8" else None
+    global_scale = torch.tensor([0.5], device="cuda") if a_dtype == "nvfp4" else None
+    q, s = quantize(x, a_dtype, group, scale, global_scale)
+    got = dequant_kernels._activations(q, a_dtype, group, s, global_scale, torch.bfloat16)
+    want = dequantize_activation(q, a_dtype, group, s, global_scale).to(torch.bfloat16)
+    assert got.shape == want.shape and torch.equal(got, want)
