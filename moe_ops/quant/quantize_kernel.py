@@ -1,0 +1,79 @@
+"""moe_ops::quantize on CUDA in one Triton launch, for the recipes whose groups lie within a row: fp8 or
+int8 per-token and per-token-group (dynamic: amax / 448 or / 127 per group) and static per-tensor
+scales. Same codes and scales bit for bit as formats.quantize_fp8 / quantize_int8, whose torch ops take
+about a dozen launches (the amax, the scale's expansion, float32 temporaries of each step): at M = 1 the
+launches, not the bytes, are the time. Per-tensor dynamic scales (an amax over every row) and nvfp4
+stay with torch.
+
+Per group: amax = max |x| (NaN if any x is NaN, inf if any is inf, as torch's amax), scale = max(amax /
+MAX, 1e-12) (NaN stays NaN), then
+- fp8: q = e4m3(clamp(x / scale, -448, 448)), an inf x giving NaN (e4m3fn has no inf);
+- int8: q = clamp(round_half_even(x / scale), -127, 127), NaN giving 0.
+Divisions are IEEE (div.rn), as torch's; the e4m3 conversion rounds to nearest even, as torch's cast.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .formats import _TINY, FP8_MAX, INT8_MAX
+
+_STORAGE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, static_ptr, q_ptr, scale_ptr, cols, x_stride, scale_cols,
+    GC: tl.constexpr, STATIC: tl.constexpr, FP8: tl.constexpr, LIMIT: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Group (row r, group g) of x: GC columns from g * GC (GC = 0: the whole row, BLOCK >= cols)."""
+    r = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    lane = tl.arange(0, BLOCK)
+    c = g * GC + lane
+    inside = c < cols
+    if GC > 0:
+        inside = inside & (lane < GC)
+    x = tl.load(x_ptr + r * x_stride + c, mask=inside, other=0.0).to(tl.float32)
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        amax = tl.max(tl.abs(x), 0)
+        amax = tl.where(tl.max((x != x).to(tl.int32), 0) > 0, float("nan"), amax)  # max.f32 drops NaN
+        scale = libdevice.div_rn(amax, LIMIT)
+        scale = tl.where(scale < TINY, TINY, scale)  # a NaN scale stays NaN, as torch's clamp keeps it
+        tl.store(scale_ptr + r * scale_cols + g, scale)
+    y = libdevice.div_rn(x, scale)
+    if FP8:
+        y = tl.where(y > LIMIT, LIMIT, tl.where(y < -LIMIT, -LIMIT, y))
+        y = tl.where(tl.abs(x) == float("inf"), float("nan"), y)
+        tl.store(q_ptr + r * cols + c, y.to(tl.float8e4nv), mask=inside)
+    else:
+        y = libdevice.rint(y)
+        y = tl.where(y != y, 0.0, y)
+        y = tl.where(y > LIMIT, LIMIT, tl.where(y < -LIMIT, -LIMIT, y))
+        tl.store(q_ptr + r * cols + c, y.to(tl.int8), mask=inside)
+
+
+def quantize_rows(
+    x: torch.Tensor, dtype: str, group: tuple[int, int], scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [M, K] in the format's storage, scale float32 [M, cdiv(K, gc)], [M, 1] or the static [1, 1]) of
+    x [M, K] on CUDA, as formats.quantize_fp8 / quantize_int8 give them; see the module docstring."""
+    rows, cols = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    gc = 0 if group[1] == -1 else group[1]
+    groups = 1 if gc == 0 else triton.cdiv(cols, gc)
+    q = torch.empty((rows, cols), dtype=_STORAGE[dtype], device=x.device)
+    static = scale is not None
+    out_scale = scale.reshape(1, 1).float().clone() if static else torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    if rows and cols:
+        _quantize_kernel[(rows, groups)](
+            x, scale if static else out_scale, q, out_scale, cols, x.stride(0), groups,
+            GC=gc, STATIC=static, FP8=dtype == "fp8", LIMIT=FP8_MAX if dtype == "fp8" else INT8_MAX, TINY=_TINY,
+            BLOCK=triton.next_power_of_2(gc or cols),
+        )  # fmt: skip
+    return q, out_scale
