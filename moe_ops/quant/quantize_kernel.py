@@ -5,13 +5,16 @@ about a dozen launches (the amax, the scale's expansion, float32 temporaries of 
 launches, not the bytes, are the time. Per-tensor dynamic scales (an amax over every row) and nvfp4
 stay with torch.
 
-Per group: amax = max |x| (NaN if any x is NaN, inf if any is inf, as torch's amax), scale = max(amax /
-MAX, 1e-12) (NaN stays NaN), then
+Per group: amax = max |x| (NaN if any x is NaN, inf if any is inf, as torch's amax), scale = max(amax *
+fl32(1 / MAX), 1e-12) (NaN stays NaN; torch on CUDA divides by a number as a product with its float32
+reciprocal, one ulp from a true division at times), then
 - fp8: q = e4m3(clamp(x / scale, -448, 448)), an inf x giving NaN (e4m3fn has no inf);
 - int8: q = clamp(round_half_even(x / scale), -127, 127), NaN giving 0.
-Divisions are IEEE (div.rn), as torch's; the e4m3 conversion rounds to nearest even, as torch's cast.
+x / scale is an IEEE division (div.rn), as torch's tensor division; the e4m3 conversion rounds to nearest even, as torch's cast.
 """
 from __future__ import annotations
+
+import struct
 
 import torch
 import triton
@@ -26,7 +29,8 @@ _STORAGE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 @triton.jit
 def _quantize_kernel(
     x_ptr, static_ptr, q_ptr, scale_ptr, cols, x_stride, scale_cols,
-    GC: tl.constexpr, STATIC: tl.constexpr, FP8: tl.constexpr, LIMIT: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
+    GC: tl.constexpr, STATIC: tl.constexpr, FP8: tl.constexpr, LIMIT: tl.constexpr, INV_LIMIT: tl.constexpr,
+    TINY: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Group (row r, group g) of x: GC columns from g * GC (GC = 0: the whole row, BLOCK >= cols)."""
     r = tl.program_id(0).to(tl.int64)
@@ -42,7 +46,7 @@ def _quantize_kernel(
     else:
         amax = tl.max(tl.abs(x), 0)
         amax = tl.where(tl.max((x != x).to(tl.int32), 0) > 0, float("nan"), amax)  # max.f32 drops NaN
-        scale = libdevice.div_rn(amax, LIMIT)
+        scale = amax * INV_LIMIT  # torch divides by a Python number as a product with its float32 reciprocal
         scale = tl.where(scale < TINY, TINY, scale)  # a NaN scale stays NaN, as torch's clamp keeps it
         tl.store(scale_ptr + r * scale_cols + g, scale)
     y = libdevice.div_rn(x, scale)
@@ -57,6 +61,12 @@ def _quantize_kernel(
         tl.store(q_ptr + r * cols + c, y.to(tl.int8), mask=inside)
 
 
+def _float32_reciprocal(value: float) -> float:
+    """1 / value rounded to float32, as torch's CUDA division by a scalar computes it before multiplying
+    (rounding the double quotient to float32 gives the same: 53 >= 2 * 24 + 2 bits)."""
+    return struct.unpack("f", struct.pack("f", 1.0 / value))[0]
+
+
 def quantize_rows(
     x: torch.Tensor, dtype: str, group: tuple[int, int], scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,11 +79,12 @@ def quantize_rows(
     groups = 1 if gc == 0 else triton.cdiv(cols, gc)
     q = torch.empty((rows, cols), dtype=_STORAGE[dtype], device=x.device)
     static = scale is not None
+    limit = FP8_MAX if dtype == "fp8" else INT8_MAX
     out_scale = scale.reshape(1, 1).float().clone() if static else torch.empty((rows, groups), dtype=torch.float32, device=x.device)
     if rows and cols:
         _quantize_kernel[(rows, groups)](
             x, scale if static else out_scale, q, out_scale, cols, x.stride(0), groups,
-            GC=gc, STATIC=static, FP8=dtype == "fp8", LIMIT=FP8_MAX if dtype == "fp8" else INT8_MAX, TINY=_TINY,
+            GC=gc, STATIC=static, FP8=dtype == "fp8", LIMIT=limit, INV_LIMIT=_float32_reciprocal(limit), TINY=_TINY,
             BLOCK=triton.next_power_of_2(gc or cols),
         )  # fmt: skip
     return q, out_scale
