@@ -1,0 +1,74 @@
+"""python bench/quant_layers.py [--kernels] [--tokens 1 16 128 1024] [CASE ...]: quantized FusedMoE layers
+on an sm_90 GPU, eager under inference_mode and value_checks(False), as the dequantizing path runs them
+(moe_ops/dequant_kernels.py). Prints µs per call as CUDA-graph replays of one call (median); with
+--kernels also each call's GPU kernels by the profiler (µs per call and launches per call, the eight
+longest). bench/NOTES.md v45-v46 hold its numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import warnings
+
+import torch
+
+import moe_ops
+from moe_ops import bench
+from moe_ops.quant import ActivationQuant, GroupShape, QuantScheme, WeightQuant
+
+CASES = {
+    "qwen3-fp8-block": ((128, 8, 2048, 768), QuantScheme(ActivationQuant("fp8", GroupShape(1, 128)), WeightQuant("fp8", GroupShape(128, 128)))),
+    "gpt-oss-mxfp4": ((128, 4, 2880, 2880), QuantScheme(None, WeightQuant("mxfp4", GroupShape(1, 32)))),
+    "qwen3-fp8-per-tensor": ((128, 8, 2048, 768), QuantScheme(ActivationQuant("fp8", GroupShape(-1, -1)), WeightQuant("fp8", GroupShape(-1, -1)))),
+}  # fmt: skip
+
+
+def graph_us(fn, replays: int = 20) -> float:
+    graph = bench.capture(fn)
+    return statistics.median(bench.replay_times_us(graph, replays, 2))
+
+
+def kernels(fn, calls: int = 5) -> list[tuple[str, float, float]]:
+    """(kernel name, µs per call, launches per call) of fn's GPU kernels, longest first."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per = collections.defaultdict(lambda: [0.0, 0.0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per[event.name[:70]][0] += event.device_time / calls
+            per[event.name[:70]][1] += 1 / calls
+    return sorted(((name, us, n) for name, (us, n) in per.items()), key=lambda row: -row[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("cases", nargs="*", metavar="CASE", help=f"of {', '.join(CASES)} (default: all)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024])
+    parser.add_argument("--kernels", action="store_true")
+    args = parser.parse_args()
+    unknown = [name for name in args.cases if name not in CASES]
+    if unknown:
+        parser.error(f"CASE: got {unknown}; allowed: {', '.join(CASES)}")
+    warnings.simplefilter("ignore")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    with torch.inference_mode(), moe_ops.value_checks(False):
+        for name in args.cases or list(CASES):
+            (experts, k, hidden, inter), scheme = CASES[name]
+            layer = moe_ops.FusedMoE(experts, k, hidden, inter, dtype=torch.bfloat16, device="cuda", quant_config=scheme)
+            for m in args.tokens:
+                x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+                print(f"{name} M={m}: {graph_us(lambda: layer(x)):.1f} us per call in graph", flush=True)
+                if args.kernels:
+                    for kernel, us, launches in kernels(lambda: layer(x))[:8]:
+                        print(f"    {us:8.1f} us  x{launches:.0f}  {kernel}")
+            del layer
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
