@@ -185,7 +185,7 @@ def decode_experts(
     num_experts, n, q_cols = q.shape
     cols = q_cols * packing
     # Scales are read as stored (decoded in the kernel): a decoding step would read and write every
-    # expert's scales, also in the per-row case, which reads k of them (mxfp4's are 1/32 of the weight).
+    # expert's scales, also when the slots read k of them (mxfp4's are 1/32 of the weight).
     scale = scale.contiguous()
     scale_code = SCALE_CODES.get(scale.dtype, "float")
     sr, sc = scale.shape[-2:]
