@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .plan_kernel import compile_options, on_device
+
 
 # Format -> (how the kernel reads a code, elements per stored byte).
 CODES = {"fp8": ("e4m3", 1), "int8": ("int8", 1), "int4": ("int4", 2), "nvfp4": ("e2m1", 2), "mxfp4": ("e2m1", 2)}
@@ -203,11 +205,13 @@ def decode_experts(
         return out
     q = q.view(torch.int8) if fmt == "int8" else q.view(torch.uint8)
     grid = (count, triton.cdiv(n, BLOCK_N), triton.cdiv(cols, BLOCK_C))
-    _decode_kernel[grid](
-        q, scale.view(torch.uint8) if scale_code != "float" else scale, zero if zero is not None else scale,
-        global_scale if global_scale is not None else q, idx if idx is not None else q,
-        offsets if offsets is not None else q, out.view(torch.int16) if dtype == torch.bfloat16 and INTERPRETED else out,
-        n, cols, q_cols, sr, sc, GR=gr, GC=gc, GROUPS=_groups_across_block(gc, cols), CODE=code, SCALE=scale_code, HAS_IDX=idx is not None, HAS_OFFSETS=offsets is not None, HAS_ZERO=zero is not None, HAS_GLOBAL=global_scale is not None,
-        BF16=dtype == torch.bfloat16, INTERPRETED=INTERPRETED, BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C,
-    )  # fmt: skip
+    with on_device(q.device):
+        _decode_kernel[grid](
+            q, scale.view(torch.uint8) if scale_code != "float" else scale, zero if zero is not None else scale,
+            global_scale if global_scale is not None else q, idx if idx is not None else q,
+            offsets if offsets is not None else q, out.view(torch.int16) if dtype == torch.bfloat16 and INTERPRETED else out,
+            n, cols, q_cols, sr, sc, GR=gr, GC=gc, GROUPS=_groups_across_block(gc, cols), CODE=code, SCALE=scale_code,
+            HAS_IDX=idx is not None, HAS_OFFSETS=offsets is not None, HAS_ZERO=zero is not None, HAS_GLOBAL=global_scale is not None,
+            BF16=dtype == torch.bfloat16, INTERPRETED=INTERPRETED, BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, **compile_options(False),
+        )  # fmt: skip
     return out

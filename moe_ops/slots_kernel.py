@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .plan_kernel import compile_options, on_device
+
 
 @triton.jit
 def _slots_kernel(offsets_ptr, idx_ptr, slot_offsets_ptr, num_experts, slots, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -27,8 +29,10 @@ def expert_slots_cuda(expert_offsets: torch.Tensor, num_experts: int, slots: int
     """expert_slots.expert_slots on a CUDA (or, interpreted, CPU) tensor: one launch."""
     idx = torch.empty(slots, dtype=torch.int32, device=expert_offsets.device)
     slot_offsets = torch.empty(slots + 1, dtype=torch.int32, device=expert_offsets.device)
-    _slots_kernel[(1,)](
-        expert_offsets, idx, slot_offsets, num_experts, slots,
-        BLOCK_E=triton.next_power_of_2(max(num_experts, 2)), BLOCK_S=triton.next_power_of_2(slots + 1),
-    )  # fmt: skip
+    with on_device(expert_offsets.device):
+        _slots_kernel[(1,)](
+            expert_offsets, idx, slot_offsets, num_experts, slots,
+            BLOCK_E=triton.next_power_of_2(max(num_experts, 2)), BLOCK_S=triton.next_power_of_2(slots + 1),
+            **compile_options(False),
+        )  # fmt: skip
     return idx, slot_offsets

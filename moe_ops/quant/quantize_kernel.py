@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ..plan_kernel import compile_options, on_device
 from .formats import _TINY, FP8_MAX, INT8_MAX
 
 _STORAGE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
@@ -82,9 +83,10 @@ def quantize_rows(
     limit = FP8_MAX if dtype == "fp8" else INT8_MAX
     out_scale = scale.reshape(1, 1).float().clone() if static else torch.empty((rows, groups), dtype=torch.float32, device=x.device)
     if rows and cols:
-        _quantize_kernel[(rows, groups)](
-            x, scale if static else out_scale, q, out_scale, cols, x.stride(0), groups,
-            GC=gc, STATIC=static, FP8=dtype == "fp8", LIMIT=limit, INV_LIMIT=_float32_reciprocal(limit), TINY=_TINY,
-            BLOCK=triton.next_power_of_2(gc or cols),
-        )  # fmt: skip
+        with on_device(x.device):
+            _quantize_kernel[(rows, groups)](
+                x, scale if static else out_scale, q, out_scale, cols, x.stride(0), groups,
+                GC=gc, STATIC=static, FP8=dtype == "fp8", LIMIT=limit, INV_LIMIT=_float32_reciprocal(limit), TINY=_TINY,
+                BLOCK=triton.next_power_of_2(gc or cols), **compile_options(False),
+            )  # fmt: skip
     return q, out_scale

@@ -136,3 +136,31 @@ def test_cuda_graphs_per_layer_over_two_gpus():
             h, out = h.clone(), out.clone()  # the next replay overwrites the graphs' outputs
             _check(first, x, h)
             _check(second, h.to(OTHER), out)
+
+
+QUANT_SCHEMES = {
+    "fp8_w8a8_block": ("fp8", (1, 128), "fp8", (128, 128)),
+    "mxfp4_w4a16": (None, None, "mxfp4", (1, 32)),
+}
+
+
+@pytest.mark.parametrize("scheme", list(QUANT_SCHEMES))
+def test_quantized_layer_on_the_other_gpu(scheme):
+    """A quantized FusedMoE on cuda:1 with cuda:0 current: the dequantizing path's Triton launches (the
+    activations' quantizing, the slots, the decoding) and the kernels all run on cuda:1, and the output
+    equals the same layer's on cuda:1 made current."""
+    from moe_ops.quant import ActivationQuant, GroupShape, QuantScheme, WeightQuant
+
+    a_dtype, a_group, w_dtype, w_group = QUANT_SCHEMES[scheme]
+    activation = ActivationQuant(a_dtype, GroupShape(*a_group)) if a_dtype else None
+    quant = QuantScheme(activation, WeightQuant(w_dtype, GroupShape(*w_group)))
+    layer = moe_ops.FusedMoE(16, 2, 256, 128, dtype=torch.bfloat16, device=OTHER, quant_config=quant)
+    x = torch.randn(37, 256, device=OTHER, dtype=torch.bfloat16)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = layer(x)
+        with torch.cuda.device(OTHER):
+            want = layer(x)
+    assert not [w for w in caught if "runs the reference" in str(w.message)], "a fallback warned"
+    assert got.device == OTHER and torch.isfinite(got).all()
+    assert torch.equal(got, want)
