@@ -29,19 +29,12 @@ def graph_us(fn, replays: int = 20) -> float:
     return statistics.median(bench.replay_times_us(graph, replays, 2))
 
 
-def kernels(fn, calls: int = 5) -> list[tuple[str, float, float]]:
+def kernels(fn, calls: int = 5) -> list[tuple[str, float, int]]:
     """(kernel name, µs per call, launches per call) of fn's GPU kernels, longest first."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    per = collections.defaultdict(lambda: [0.0, 0.0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            per[event.name[:70]][0] += event.device_time / calls
-            per[event.name[:70]][1] += 1 / calls
+    per = collections.defaultdict(lambda: [0.0, 0])
+    for name, us in bench.kernel_durations(fn, calls):
+        per[name[:70]][0] += us
+        per[name[:70]][1] += 1
     return sorted(((name, us, n) for name, (us, n) in per.items()), key=lambda row: -row[1])
 
 
@@ -65,7 +58,7 @@ def main() -> None:
                 print(f"{name} M={m}: {graph_us(lambda: layer(x)):.1f} us per call in graph", flush=True)
                 if args.kernels:
                     for kernel, us, launches in kernels(lambda: layer(x))[:8]:
-                        print(f"    {us:8.1f} us  x{launches:.0f}  {kernel}")
+                        print(f"    {us:8.1f} us  x{launches}  {kernel}")
             del layer
             torch.cuda.empty_cache()
 
