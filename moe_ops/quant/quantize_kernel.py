@@ -68,6 +68,10 @@ def _float32_reciprocal(value: float) -> float:
     return struct.unpack("f", struct.pack("f", 1.0 / value))[0]
 
 
+_LIMITS = {"fp8": FP8_MAX, "int8": INT8_MAX}
+_RECIPROCALS = {name: _float32_reciprocal(limit) for name, limit in _LIMITS.items()}
+
+
 def quantize_rows(
     x: torch.Tensor, dtype: str, group: tuple[int, int], scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,13 +84,13 @@ def quantize_rows(
     groups = 1 if gc == 0 else triton.cdiv(cols, gc)
     q = torch.empty((rows, cols), dtype=_STORAGE[dtype], device=x.device)
     static = scale is not None
-    limit = FP8_MAX if dtype == "fp8" else INT8_MAX
+    limit = _LIMITS[dtype]
     out_scale = scale.reshape(1, 1).float().clone() if static else torch.empty((rows, groups), dtype=torch.float32, device=x.device)
     if rows and cols:
         with on_device(x.device):
             _quantize_kernel[(rows, groups)](
                 x, scale if static else out_scale, q, out_scale, cols, x.stride(0), groups,
-                GC=gc, STATIC=static, FP8=dtype == "fp8", LIMIT=limit, INV_LIMIT=_float32_reciprocal(limit), TINY=_TINY,
+                GC=gc, STATIC=static, FP8=dtype == "fp8", LIMIT=limit, INV_LIMIT=_RECIPROCALS[dtype], TINY=_TINY,
                 BLOCK=triton.next_power_of_2(gc or cols), **compile_options(False),
             )  # fmt: skip
     return q, out_scale
