@@ -23,8 +23,7 @@ from triton.language.extra import libdevice
 
 from ..plan_kernel import compile_options, on_device
 from .formats import _TINY, FP8_MAX, INT8_MAX
-
-_STORAGE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+from .quantize import ACTIVATION_STORAGE
 
 
 @triton.jit
@@ -82,7 +81,7 @@ def quantize_rows(
         x = x.contiguous()
     gc = 0 if group[1] == -1 else group[1]
     groups = 1 if gc == 0 else triton.cdiv(cols, gc)
-    q = torch.empty((rows, cols), dtype=_STORAGE[dtype], device=x.device)
+    q = torch.empty((rows, cols), dtype=ACTIVATION_STORAGE[dtype], device=x.device)
     static = scale is not None
     limit = _LIMITS[dtype]
     out_scale = scale.reshape(1, 1).float().clone() if static else torch.empty((rows, groups), dtype=torch.float32, device=x.device)
