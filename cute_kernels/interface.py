@@ -29,7 +29,9 @@ from .norm_token_sum import MAX_H as NORM_MAX_H, NormTokenSumSm90  # noqa: E402
 from .token_sum import TokenSumSm90  # noqa: E402
 
 ACTIVATIONS = (*GATED, "relu2")
+FP8 = torch.float8_e4m3fn
 _CUTLASS_DTYPE = {
+    FP8: cutlass.Float8E4M3FN,
     torch.bfloat16: cutlass.BFloat16,
     torch.float16: cutlass.Float16,
     torch.float32: cutlass.Float32,
@@ -184,8 +186,8 @@ def _common(dtype, weight_dtype, hidden, intermediate, num_experts, weight_row_m
         return "quantized schemes are not implemented in the CuTe DSL kernels yet (bf16/fp16 only)"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"activations in {dtype}; the kernels take bf16 or fp16"
-    if weight_dtype != dtype:
-        return f"weights in {weight_dtype} with activations in {dtype}"
+    if weight_dtype not in (dtype, FP8):
+        return f"weights in {weight_dtype} with activations in {dtype}; the kernels take weights in the activations' dtype or {FP8} (scaled)"
     if not weight_row_major:
         return COLUMN_MAJOR
     if hidden % ALIGN or intermediate % ALIGN:
@@ -305,11 +307,13 @@ def _launch(fn, device: torch.device, *args) -> None:
         fn(*args, _stream(device))
 
 
-def gemm_compile_args(a_dtype, bias_dtype) -> tuple:
-    """Placeholder arguments with MoeGemmSm90.__call__'s types, to compile it without tensors."""
-    ad, bd, i32 = _CUTLASS_DTYPE[a_dtype], _CUTLASS_DTYPE[bias_dtype], cutlass.Int32
-    ptrs = (*[cc.fake_ptr(ad)] * 4, *[cc.fake_ptr(i32)] * 3, cc.fake_ptr(bd))
-    return (*ptrs, *[Int32(64)] * 10, cc.fake_stream())
+def gemm_compile_args(dtype, bias_dtype, fp8: bool = False) -> tuple:
+    """Placeholder arguments with MoeGemmSm90.__call__'s types, to compile it without tensors: outputs in
+    dtype, operands in dtype too or, with fp8, in float8_e4m3fn."""
+    od, bd, i32, f32 = _CUTLASS_DTYPE[dtype], _CUTLASS_DTYPE[bias_dtype], cutlass.Int32, cutlass.Float32
+    ad = _CUTLASS_DTYPE[FP8] if fp8 else od
+    ptrs = (*[cc.fake_ptr(ad)] * 3, cc.fake_ptr(od), *[cc.fake_ptr(i32)] * 3, cc.fake_ptr(bd), *[cc.fake_ptr(f32)] * 2)
+    return (*ptrs, *[Int32(64)] * 11, cc.fake_stream())
 
 
 def token_sum_compile_args(dtype) -> tuple:
@@ -319,12 +323,13 @@ def token_sum_compile_args(dtype) -> tuple:
     return (*ptrs, *[Int32(8)] * 4, cc.fake_stream())
 
 
-def _gemm(epilogue: Epilogue, gather: bool, a_dtype, bias_dtype, sms: int, tile_m: int = 128, tile_n: int = 256, early: bool = False):
-    key = _gemm_key(epilogue, gather, a_dtype, bias_dtype, sms, tile_m, tile_n, early)
+def _gemm(epilogue: Epilogue, gather: bool, dtype, bias_dtype, sms: int, tile_m: int = 128, tile_n: int = 256, early: bool = False):
+    """The compiled GEMM with outputs in dtype (and operands too, or in fp8 with epilogue.scales "fp8")."""
+    key = _gemm_key(epilogue, gather, dtype, bias_dtype, sms, tile_m, tile_n, early)
 
     def build():
         kernel = MoeGemmSm90(epilogue, tile_n=tile_n, tile_m=tile_m, gather=gather, num_sms=sms, early_weights=early)
-        return kernel, gemm_compile_args(a_dtype, bias_dtype)
+        return kernel, gemm_compile_args(dtype, bias_dtype, fp8=epilogue.scales == "fp8")
 
     return cc.get(key, build)
 
@@ -374,17 +379,20 @@ def _hint(x: torch.Tensor, gather: torch.Tensor, expert_ids: torch.Tensor | None
     return expert_ids.view(torch.int32), expert_ids.numel(), expert_ids.element_size() // 4
 
 
-def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride, hint=None):
+def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride, hint=None, scales=None):
+    """scales: (a_scale, w_scale) of fp8 operands (_fp8_scales), or None."""
     num_experts = offsets.shape[0] - 1
     hint_ids, hint_pairs, hint_stride = hint if hint is not None else _hint(a, gather, None)
+    # Without scales the kernel reads none: any aligned pointer stands in.
+    a_scale, w_scale = scales if scales is not None else (w_parts[0], w_parts[0])
     sizes = _int32(
         a.shape[0], a.shape[1], n_part, num_experts, b_stride, out.shape[0], out.shape[1],
-        bias.shape[1] if bias is not None else 0, hint_pairs, hint_stride,
+        bias.shape[1] if bias is not None else 0, hint_pairs, hint_stride, int(scales is not None and a_scale.numel() > 1),
     )  # fmt: skip
     _launch(
         fn, a.device,
         _ptr(a), _ptr(w_parts[0]), _ptr(w_parts[1]), _ptr(out), _ptr(offsets), _ptr(gather), _ptr(hint_ids),
-        _ptr(bias if bias is not None else w_parts[0]), *sizes,
+        _ptr(bias if bias is not None else w_parts[0]), _ptr(a_scale), _ptr(w_scale), *sizes,
     )  # fmt: skip
 
 
@@ -396,63 +404,106 @@ def _int32(*sizes: int) -> tuple[int, ...]:
     return sizes
 
 
+def _fp8_scales(a, w, a_scale, w_scale, out_dtype) -> tuple[torch.dtype, tuple | None]:
+    """(the output dtype, (a_scale, w_scale) or None) of a call: with e4m3 operands (a and w both
+    float8_e4m3fn) the kernels scale the products by a_scale (float32, one per row of a or one per-tensor
+    value) and w_scale (float32, one per expert; [E], [E, 1] or [E, 1, 1]) and write out_dtype (bf16 or
+    fp16); with 16-bit operands out_dtype is a's dtype and there are no scales."""
+    fp8 = a.dtype == FP8
+    if not fp8:
+        if a_scale is not None or w_scale is not None:
+            raise ValueError(f"a_scale, w_scale: scales are for float8_e4m3fn operands; a is {a.dtype}")
+        if out_dtype not in (None, a.dtype):
+            raise ValueError(f"out_dtype: {out_dtype} with operands in {a.dtype}; 16-bit operands give outputs in their own dtype")
+        return a.dtype, None
+    if w.dtype != FP8:
+        raise TypeError(f"w: dtype {w.dtype}; with a in {FP8} the kernels take w in {FP8}")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"out_dtype: got {out_dtype}; with {FP8} operands the kernels write torch.bfloat16 or torch.float16")
+    for name, t in (("a_scale", a_scale), ("w_scale", w_scale)):
+        if t is None:
+            raise ValueError(f"{name}: required with {FP8} operands (float32 scales)")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if a_scale.numel() not in (1, a.shape[0]):
+        raise ValueError(f"a_scale: {a_scale.numel()} values for {a.shape[0]} rows of a; expected 1 (per-tensor) or one per row")
+    if w_scale.numel() != w.shape[0] or w_scale.dim() < 1 or w_scale.shape[0] != w.shape[0]:
+        raise ValueError(f"w_scale: shape {list(w_scale.shape)}; expected one scale per expert ([{w.shape[0]}], [{w.shape[0]}, 1] or [{w.shape[0]}, 1, 1])")
+    return out_dtype, (a_scale, w_scale)
+
+
 def gate_up(
     x, w, bias, offsets, gather, *, activation: str, alpha: float, limit: float, gate_layout: str, out=None, tiles=None,
-    expert_ids=None,
+    expert_ids=None, a_scale=None, w_scale=None, out_dtype=None,
 ):  # fmt: skip
     """[P, I] = act(x[gather] @ w[e].T + bias[e]) per expert; see the module docstring. Rows of
     dropped pairs (at or past offsets[E]) are left unwritten. out: an optional [P, I] destination.
     tiles: (tile_m, tile_n) instead of choose_tiles' (for tile sweeps). expert_ids: the routing plan's
-    topk_ids [M, k] when they are local expert ids (no expert_map), read at M = 1 as a hint only."""
+    topk_ids [M, k] when they are local expert ids (no expert_map), read at M = 1 as a hint only.
+    fp8: x and w in float8_e4m3fn, x @ w[e].T scaled by a_scale (per token or per tensor) and w_scale[e]
+    before the bias and the activation, the result in out_dtype (_fp8_scales)."""
     _check_experts(w)
     num_experts, n, hidden = w.shape
     if activation in GATED and n % 2:
         raise ValueError(f"w: {activation!r} reads each expert's N rows as gate and up halves; N must be even, got shape {list(w.shape)}")
     inter = n // 2 if activation in GATED else n
+    dtype, scales = _fp8_scales(x, w, a_scale, w_scale, out_dtype)
     _check_support(gate_up_support(
-        dtype=x.dtype, weight_dtype=w.dtype, activation=activation, gate_layout=gate_layout, has_bias=bias is not None,
+        dtype=dtype, weight_dtype=w.dtype, activation=activation, gate_layout=gate_layout, has_bias=bias is not None,
         hidden=hidden, intermediate=inter, num_experts=num_experts, weight_row_major=w.stride(2) == 1,
     ))  # fmt: skip
     _check_tensors(
         x=(x, (None, hidden), (x.dtype,)), w=(w, (num_experts, n, hidden), (x.dtype,)), bias=(bias, (num_experts, n), _BIAS),
         offsets=(offsets, (num_experts + 1,), _INDEX), gather=(gather, (None,), _INDEX),
-        out=(out, (gather.shape[0], inter), (x.dtype,)),
+        out=(out, (gather.shape[0], inter), (dtype,)), **_scale_specs(scales),
     )  # fmt: skip
-    _check_aligned(x=x, w=w, bias=bias, offsets=offsets, gather=gather, out=out)
+    _check_aligned(x=x, w=w, bias=bias, offsets=offsets, gather=gather, out=out, **_scale_tensors(scales))
     hint = _hint(x, gather, expert_ids)
     _check_support(device_support(x.device))  # last: the checks above hold on any device
     if out is None:
-        out = torch.empty(gather.shape[0], inter, dtype=x.dtype, device=x.device)
+        out = torch.empty(gather.shape[0], inter, dtype=dtype, device=x.device)
     if out.shape[0] == 0:
         return out
-    epi = Epilogue(activation, gate_layout, float(alpha), float(limit), has_bias=bias is not None)
+    epi = Epilogue(activation, gate_layout, float(alpha), float(limit), has_bias=bias is not None, scales="none" if scales is None else "fp8")
     sms = num_sms(x.device.index)
     tiles = tiles or choose_tiles(gate_layout, inter, x.shape[0], gather.shape[0] // max(x.shape[0], 1), num_experts, sms, k_dim=hidden)
-    fn = _gemm(epi, True, x.dtype, bias.dtype if bias is not None else x.dtype, sms, *tiles)
+    fn = _gemm(epi, True, dtype, bias.dtype if bias is not None else dtype, sms, *tiles)
     if gate_layout == "concat":
         # The up rows of each expert start I rows after its gate rows; the kernel reads both as parts.
         parts, n_part = (w, w[:, inter:]), inter
     else:
         parts, n_part = (w, w), n
-    _launch_gemm(fn, x, parts, out, offsets, gather, bias, n_part, n * hidden, hint)
+    _launch_gemm(fn, x, parts, out, offsets, gather, bias, n_part, n * hidden, hint, scales)
     return out
 
 
+def _scale_tensors(scales) -> dict:
+    return {} if scales is None else dict(a_scale=scales[0], w_scale=scales[1])
+
+
+def _scale_specs(scales) -> dict:
+    # Checked flat: their shapes were checked by _fp8_scales; here dtype, contiguity and device.
+    return {name: (t, t.shape, (torch.float32,)) for name, t in _scale_tensors(scales).items()}
+
+
 def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None, weights_early=False, norm_weight=None,
-                norm_eps=1e-6):  # fmt: skip
+                norm_eps=1e-6, a_scale=None, w_scale=None, out_dtype=None):  # fmt: skip
     """[M, H] = sum_j topk_weights[m, j] * (a[inverse[m*k+j]] @ w[e].T + bias[e]); see the module
     docstring. Every element of the output is written. out: an optional [M, H] destination.
     norm_weight [H] (y's dtype or float32): each row is normalized first (norm_token_sum.py), with norm_eps.
     tiles: (tile_m, tile_n) instead of choose_tiles' (for tile sweeps).
     weights_early: the GEMM reads `offsets` and starts loading `w` before waiting for the kernel
     launched just before it on the stream (MoeGemmSm90.early_weights). Only when that kernel writes
-    neither and started after both were written, as gate_up over the same plan does."""
+    neither and started after both were written, as gate_up over the same plan does.
+    fp8: a and w in float8_e4m3fn, each row's product scaled by a_scale (per row of a or per tensor) and
+    w_scale[e] before the bias; the output (and y, the GEMM's rows) in out_dtype (_fp8_scales)."""
     _check_experts(w)
     num_experts, hidden, inter = w.shape
     _check_tensors(topk_weights=(topk_weights, (None, None), (torch.float32,)))
     m, k = topk_weights.shape
+    dtype, scales = _fp8_scales(a, w, a_scale, w_scale, out_dtype)
     _check_support(down_reduce_support(
-        dtype=a.dtype, weight_dtype=w.dtype, has_bias=bias is not None, hidden=hidden, intermediate=inter,
+        dtype=dtype, weight_dtype=w.dtype, has_bias=bias is not None, hidden=hidden, intermediate=inter,
         num_experts=num_experts, weight_row_major=w.stride(2) == 1,
         norm_dtype=getattr(norm_weight, "dtype", None),  # not a tensor: _check_tensors says so
     ))  # fmt: skip
@@ -460,51 +511,54 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None
         a=(a, (m * k, inter), (a.dtype,)), w=(w, (num_experts, hidden, inter), (a.dtype,)),
         bias=(bias, (num_experts, hidden), _BIAS), offsets=(offsets, (num_experts + 1,), _INDEX),
         topk_weights=(topk_weights, (m, k), (torch.float32,)),
-        inverse=(inverse, (m * k,), _INDEX), out=(out, (m, hidden), (a.dtype,)),
-        norm_weight=(norm_weight, (hidden,), (a.dtype, torch.float32)),
+        inverse=(inverse, (m * k,), _INDEX), out=(out, (m, hidden), (dtype,)),
+        norm_weight=(norm_weight, (hidden,), (dtype, torch.float32)), **_scale_specs(scales),
     )  # fmt: skip
     if norm_weight is not None and not norm_eps > 0:
         raise ValueError(f"norm_eps: got {norm_eps}; allowed: > 0")
     _check_aligned(
-        a=a, w=w, bias=bias, offsets=offsets, topk_weights=topk_weights, inverse=inverse, out=out, norm_weight=norm_weight
-    )
+        a=a, w=w, bias=bias, offsets=offsets, topk_weights=topk_weights, inverse=inverse, out=out, norm_weight=norm_weight,
+        **_scale_tensors(scales),
+    )  # fmt: skip
     _check_support(device_support(a.device))  # last: the checks above hold on any device
     if out is None:
-        out = torch.empty(m, hidden, dtype=a.dtype, device=a.device)
+        out = torch.empty(m, hidden, dtype=dtype, device=a.device)
     if m == 0:
         return out
-    y = torch.empty(a.shape[0], hidden, dtype=a.dtype, device=a.device)
-    epi = Epilogue("none", "none", has_bias=bias is not None)
+    y = torch.empty(a.shape[0], hidden, dtype=dtype, device=a.device)
+    epi = Epilogue("none", "none", has_bias=bias is not None, scales="none" if scales is None else "fp8")
     sms = num_sms(a.device.index)
     tiles = tiles or choose_tiles("none", hidden, m, k, num_experts, sms, k_dim=inter)
-    fn = _gemm(epi, False, a.dtype, bias.dtype if bias is not None else a.dtype, sms, *tiles, early=bool(weights_early))
+    fn = _gemm(epi, False, dtype, bias.dtype if bias is not None else dtype, sms, *tiles, early=bool(weights_early))
     # GEMM2 gathers nothing: inverse stands in for the gather pointer, which this variant never reads.
-    _launch_gemm(fn, a, (w, w), y, offsets, inverse, bias, hidden, hidden * inter)
+    _launch_gemm(fn, a, (w, w), y, offsets, inverse, bias, hidden, hidden * inter, scales=scales)
     if norm_weight is not None:
         _launch(
-            _norm_token_sum(a.dtype, norm_weight.dtype), a.device,
+            _norm_token_sum(dtype, norm_weight.dtype), a.device,
             _ptr(y), _ptr(inverse), _ptr(topk_weights), _ptr(offsets), _ptr(norm_weight), _ptr(out),
             *_int32(m, k, hidden, num_experts), float(norm_eps),
         )  # fmt: skip
         return out
     _launch(
-        _token_sum(a.dtype), a.device,
+        _token_sum(dtype), a.device,
         _ptr(y), _ptr(inverse), _ptr(topk_weights), _ptr(offsets), _ptr(out), *_int32(m, k, hidden, num_experts),
     )  # fmt: skip
     return out
 
 
-def variants(dtype=torch.bfloat16, bias_dtypes=(None,)):
+def variants(dtype=torch.bfloat16, bias_dtypes=(None,), scales: str = "none"):
     """Every (epilogue, gather, bias dtype, tile_m, tile_n, early weights) the fused ops can request
-    (see choose_tiles) for activations in `dtype`."""
+    (see choose_tiles) for outputs in `dtype`, with operands in dtype (scales "none") or in fp8 (scales
+    "fp8": the quantized path's GEMMs, whose GEMM2 never loads weights early)."""
     out = []
+    earlies = (True, False) if scales == "none" else (False,)
     for bias in bias_dtypes:
-        gemm2 = Epilogue("none", "none", has_bias=bias is not None)
+        gemm2 = Epilogue("none", "none", has_bias=bias is not None, scales=scales)
         for act in ACTIVATIONS:
             for layout in (("concat", "interleaved") if act in GATED else ("none",)):
-                epi = Epilogue(act, layout, has_bias=bias is not None)
+                epi = Epilogue(act, layout, has_bias=bias is not None, scales=scales)
                 out += [(epi, True, bias or dtype, *tiles, False) for tiles in tile_shapes(layout)]
-        out += [(gemm2, False, bias or dtype, *tiles, early) for tiles in tile_shapes("none") for early in (True, False)]
+        out += [(gemm2, False, bias or dtype, *tiles, early) for tiles in tile_shapes("none") for early in earlies]
     return out
 
 

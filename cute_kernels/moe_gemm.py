@@ -103,21 +103,31 @@ XCHG_ELEMS = 64 * 16 // 128
 GATED = ("silu", "gelu", "gelu_tanh", "swigluoai", "silu_clamped", "swiglu_softcapped")
 # The parameters each kind reads in _gated; the others ignore alpha and limit.
 READS = {"swigluoai": ("alpha", "limit"), "silu_clamped": ("limit",), "swiglu_softcapped": ("alpha", "limit")}
+# Scales of quantized (fp8) operands, applied to the accumulators before anything else in the epilogue:
+# acc[r, n] *= a_scale[src(r) * a_scale_stride] * w_scale[e]. "row": one float32 per A row, read at
+# the tile's source rows (the token's for GEMM1, which gathers; the grouped row's for GEMM2); a stride of
+# 0 makes the same code read one per-tensor scale. "expert": one float32 per expert (a per-tensor
+# weight scale per expert). An fp8 kernel takes both; 16-bit operands neither.
+SCALES = ("none", "fp8")
 
 
 @dataclass(frozen=True)
 class Epilogue:
     """What the epilogue does to each accumulator row before storing it.
     activation: "none" (store), or a GATED kind, or relu2.
-    gate_layout: "concat" ([gate; up] as two B parts), "interleaved" (pairs of columns) or "none"."""
+    gate_layout: "concat" ([gate; up] as two B parts), "interleaved" (pairs of columns) or "none".
+    scales: "none" (bf16/fp16 operands) or "fp8" (e4m3 operands, the accumulators scaled first: SCALES)."""
 
     activation: str = "none"
     gate_layout: str = "none"
     alpha: float = 1.702
     limit: float = 7.0
     has_bias: bool = False
+    scales: str = "none"
 
     def __post_init__(self):
+        if self.scales not in SCALES:
+            raise ValueError(f"Epilogue.scales: got {self.scales!r}; allowed: {', '.join(map(repr, SCALES))}")
         gated = self.activation in GATED
         if gated != (self.gate_layout in ("concat", "interleaved")):
             raise ValueError(f"Epilogue: activation {self.activation!r} does not go with gate_layout {self.gate_layout!r}")
@@ -214,7 +224,8 @@ class MoeGemmSm90:
     second hands its partial sums to the first; with a gate those rows are 32 columns' gate and up
     rows paired by a 5-d TMA view (see __init__), for either gate layout."""
 
-    tile_k = 64
+    # K elements per k-tile: 128 bytes (one 128-byte swizzled row of shared memory) of the operands.
+    ROW_BYTES = 128
     num_consumer_wgs = 2
     threads = 128 * (1 + num_consumer_wgs)
     # After setmaxnreg the warpgroups must fit the 64K-register file together:
@@ -231,6 +242,10 @@ class MoeGemmSm90:
         # mixed (-8% to +10%).
         # tile_m 16: A and B swapped (see the class docstring); its stores are direct.
         self.swap = tile_m == 16
+        # e4m3 operands (Epilogue.scales "fp8") take 128 K elements per k-tile, 16-bit ones 64: the same
+        # 128-byte rows, so the stages, swizzles and 16-byte chunks are the same bytes.
+        self.operand_bytes = 1 if epilogue.scales == "fp8" else 2
+        self.tile_k = self.ROW_BYTES // self.operand_bytes
         self.staged = not gather and not self.swap
         self.epi = epilogue
         self.gather = gather
@@ -302,9 +317,9 @@ class MoeGemmSm90:
                 f"tile_n={tile_n} with tile_m={tile_m} gives each warpgroup {self.wg_out_n} columns; without gather "
                 "(staged stores) that must be a multiple of 32"
             )
-        # 16-bit operands: A tile + B parts per stage; the rest of shared memory is the epilogue's
+        # A tile + B parts per stage, 128-byte rows; the rest of shared memory is the epilogue's
         # staging buffers and barriers.
-        stage_bytes = (self.tile_m + self.num_parts * self.part_n) * self.tile_k * 2
+        stage_bytes = (self.tile_m + self.num_parts * self.part_n) * self.ROW_BYTES
         epi_bytes = EPI_BYTES if self.staged else 0
         free = SMEM_CAPACITY - 4096 - OFFSETS_BYTES - epi_bytes
         self.num_stages = stages if stages is not None else min(12, free // stage_bytes)
@@ -322,6 +337,8 @@ class MoeGemmSm90:
         gather_ptr: cute.Pointer,  # (P,) int32; read only when gather
         hint_ptr: cute.Pointer,  # (hint_pairs,) int32 expert ids, hint_stride apart (GEMM1 at M = 1)
         bias_ptr: cute.Pointer,  # (E, N) bias rows; read only with has_bias
+        a_scale_ptr: cute.Pointer,  # float32 A scales, a_scale_stride apart (Epilogue.scales "fp8" only)
+        w_scale_ptr: cute.Pointer,  # (E,) float32 weight scales (Epilogue.scales "fp8" only)
         rows_a: Int32,
         k: Int32,
         n_part: Int32,
@@ -332,6 +349,7 @@ class MoeGemmSm90:
         bias_stride: Int32,
         hint_pairs: Int32,  # 0: no hint; else the token's k <= HINT_MAX_PAIRS expert ids (M = 1, gather only)
         hint_stride: Int32,  # elements between the ids (2: the low words of int64 ids)
+        a_scale_stride: Int32,  # 1: one scale per A row; 0: one per-tensor scale
         stream: cuda.CUstream,
     ):
         # Shapes the kernel relies on (checked by the caller): K and the B/C rows are multiples of
@@ -359,7 +377,11 @@ class MoeGemmSm90:
         mGather = cute.make_tensor(gather_ptr, cute.make_layout((rows_c,)))
         mHint = cute.make_tensor(hint_ptr, cute.make_layout((hint_pairs,), stride=(hint_stride,)))
         mBias = cute.make_tensor(bias_ptr, cute.make_layout((num_experts, bias_stride), stride=(bias_stride, 1)))
+        mAScale = cute.make_tensor(a_scale_ptr, cute.make_layout((rows_a,), stride=(a_scale_stride,)))
+        mWScale = cute.make_tensor(w_scale_ptr, cute.make_layout((num_experts,)))
         dtype = mA.element_type
+        if const_expr(dtype.width != 8 * self.operand_bytes):
+            raise TypeError(f"MoeGemmSm90 with Epilogue.scales {self.epi.scales!r} takes {8 * self.operand_bytes}-bit operands, got {dtype}")
         stages = self.num_stages
         # Swapped: the MMA's M is 64 weight rows per warpgroup, its N the tile's 16 tokens.
         mma_n = self.tile_m if self.swap else self.part_n // self.wg_grid[1]
@@ -404,7 +426,8 @@ class MoeGemmSm90:
 
         self.storage = Storage
         self.kernel(
-            self.tiled_mma, tma_a, gA, tma_b0, gB0, tma_b1, gB1, mA, mC, mOffsets, mGather, mHint, mBias, sA_layout, sB_layout,
+            self.tiled_mma, tma_a, gA, tma_b0, gB0, tma_b1, gB1, mA, mC, mOffsets, mGather, mHint, mBias, mAScale, mWScale,
+            sA_layout, sB_layout,
         ).launch(grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream, use_pdl=True)  # fmt: skip
 
     # ---- device side -----------------------------------------------------------------------------
@@ -590,6 +613,8 @@ class MoeGemmSm90:
         mGather: cute.Tensor,
         mHint: cute.Tensor,
         mBias: cute.Tensor,
+        mAScale: cute.Tensor,
+        mWScale: cute.Tensor,
         sA_layout: cute.ComposedLayout,
         sB_layout: cute.ComposedLayout,
     ):
@@ -703,8 +728,9 @@ class MoeGemmSm90:
                 copy_atom = cute.make_copy_atom(
                     cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), mA.element_type, num_bits_per_copy=128
                 )
+                chunk_elems = 16 // self.operand_bytes
                 tiled_copy = cute.make_tiled_copy_tv(
-                    copy_atom, cute.make_layout((16, 8), stride=(8, 1)), cute.make_layout((1, 8))
+                    copy_atom, cute.make_layout((16, 8), stride=(8, 1)), cute.make_layout((1, chunk_elems))
                 )
                 thr_copy = tiled_copy.get_slice(tidx)
                 tAsA = thr_copy.partition_D(sA)  # ((8), 8, 1, stages)
@@ -713,8 +739,11 @@ class MoeGemmSm90:
                 rows_per_thread = self.tile_m // 16
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
                 src = cute.make_rmem_tensor(rows_per_thread, Int32)
-                # One predicate for the 8 elements of a 16-byte chunk (stride 0).
-                live = cute.make_rmem_tensor(cute.make_layout(((8,), 1), stride=((0,), 0)), cutlass.Boolean)
+                # One predicate for the elements of a 16-byte chunk (stride 0).
+                live = cute.make_rmem_tensor(cute.make_layout(((chunk_elems,), 1), stride=((0,), 0)), cutlass.Boolean)
+                # 16-byte chunks of K: with 128-element k-tiles (fp8) a K that is a multiple of 64 only
+                # leaves the last k-tile half full, and its chunks past K are zero-filled like dead rows.
+                k_chunks = k_dim // chunk_elems
 
                 tile, e, base, e_tiles = self._walk_start(sOff, num_experts, n_tiles)
                 while e < num_experts:
@@ -739,10 +768,13 @@ class MoeGemmSm90:
                                     pipe_b.producer_acquire(state_b)
                                     bar = pipe_b.producer_get_barrier(state_b)
                                     self._load_weights(tma_b0, tBgB0, tBsB0, tma_b1, tBgB1, tBsB1, n_tile, kt, e, state_b.index, bar, policy)
+                            past_k = Int32(0)
+                            if const_expr(self.tile_k > 64):
+                                past_k = Int32(cutlass.select_(kt * 8 + chunk >= k_chunks, 1, 0))
                             for i in cutlass.range_constexpr(rows_per_thread):
                                 # Dead rows: cp.async with source size 0 (zero-fill; the module docstring).
-                                live[0] = (dead >> i) & 1 == 0
-                                g_chunk = cute.local_tile(mA[src[i], None], (8,), (kt * 8 + chunk,))
+                                live[0] = ((dead >> i) | past_k) & 1 == 0
+                                g_chunk = cute.local_tile(mA[src[i], None], (chunk_elems,), (kt * 8 + chunk,))
                                 cute.copy(copy_atom, g_chunk, tAsA[(None, i, 0, state.index)], pred=live)
                             pipe_a.producer_commit(state)
                             state.advance()
@@ -875,14 +907,17 @@ class MoeGemmSm90:
                         # Before the next tile's hand-over overwrites the buffer.
                         cute.arch.barrier(barrier_id=1, number_of_threads=256)
                         if wg_idx == 1:
+                            self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left)
                             self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest, biases)
                     elif const_expr(self.defer):
+                        self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left)
                         for q in cutlass.range_constexpr(self._chunks()):
                             self._pack(acc0, acc1, tCcC, mBias, e, n_tile * self.out_n, n_out, packed, q, q + 1)
                         p_row0 = row0
                         p_rows_left = rows_left
                         p_col0 = n_tile * self.out_n
                     else:
+                        self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left)
                         self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest, biases)
                     tile += grid
                 else:
@@ -892,17 +927,54 @@ class MoeGemmSm90:
                     self._store_packed(packed, tCcC, mC, p_row0, p_rows_left, p_col0, n_out, sEpi, sDest, 0, self._chunks())
 
     @cute.jit
+    def _scale(self, acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left):
+        """fp8 operands (Epilogue.scales, SCALES): multiply this thread's accumulators by the scale of
+        their A row times expert e's weight scale, before the bias and the activation. Rows past the
+        expert (never stored) read no scale. A non-swapped thread holds two rows (fragment element i's
+        row half (i // 2) % 2), so it loads two scales; a swapped one holds a few tokens' columns and
+        loads one per element."""
+        if const_expr(self.epi.scales == "fp8"):
+            w = mWScale[e]
+            if const_expr(self.swap):
+                for i in cutlass.range_constexpr(cute.size(acc0)):
+                    _, m = tCcC[i]
+                    f = self._row_scale(mAScale, mGather, row0, m, rows_left) * w
+                    acc0[i] = acc0[i] * f
+                    if const_expr(self.num_parts == 2):
+                        acc1[i] = acc1[i] * f
+            else:
+                f0 = self._row_scale(mAScale, mGather, row0, tCcC[0][0], rows_left) * w
+                f1 = self._row_scale(mAScale, mGather, row0, tCcC[2][0], rows_left) * w
+                for i in cutlass.range_constexpr(cute.size(acc0)):
+                    f = f1 if (i // 2) % 2 == 1 else f0
+                    acc0[i] = acc0[i] * f
+                    if const_expr(self.num_parts == 2):
+                        acc1[i] = acc1[i] * f
+
+    @cute.jit
+    def _row_scale(self, mAScale, mGather, row0, m, rows_left) -> Float32:
+        """The A scale of the tile's row m (GEMM1: its token's, through the gather), 0 past the expert."""
+        s = Float32(0.0)
+        if m < rows_left:
+            if const_expr(self.gather):
+                s = mAScale[mGather[row0 + m]]
+            else:
+                s = mAScale[row0 + m]
+        return s
+
+    @cute.jit
     def _zero_rows(self, sA_rows, stage, lo, rows_left, t):
         """Zero rows max(lo, rows_left) .. lo + 63 of A's stage, by the 128 threads of one warpgroup
         (thread t: 16-byte chunk t % 8 of rows lo + t // 8 + 16 i): a 128-row tile's 64 rows of one
-        consumer warpgroup, 64 elements (128 bytes) each."""
-        zeros = cute.make_rmem_tensor((8,), sA_rows.element_type)
+        consumer warpgroup, 128 bytes each."""
+        chunk_elems = 16 // self.operand_bytes
+        zeros = cute.make_rmem_tensor((chunk_elems,), sA_rows.element_type)
         zeros.fill(0.0)
         copy128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sA_rows.element_type, num_bits_per_copy=128)
         for i in cutlass.range_constexpr(4):
             r = lo + t // 8 + 16 * i
             if r >= rows_left:
-                cute.copy(copy128, zeros, cute.local_tile(sA_rows[r, None, stage], (8,), (t % 8,)))
+                cute.copy(copy128, zeros, cute.local_tile(sA_rows[r, None, stage], (chunk_elems,), (t % 8,)))
 
     @cute.jit
     def _epilogue(self, acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, col0, n_out, sEpi, sDest, biases):

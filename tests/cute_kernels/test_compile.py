@@ -32,6 +32,8 @@ from tests.ptx import split_at_wait, touches_global  # noqa: E402
 VARIANTS = [
     *[(torch.bfloat16, *v) for v in interface.variants(torch.bfloat16, bias_dtypes=(None, torch.bfloat16, torch.float32))],
     *[(torch.float16, *v) for v in interface.variants(torch.float16, bias_dtypes=(None, torch.float16, torch.float32))],
+    # fp8 operands (moe_ops/fp8_kernels.py), outputs in bf16: the quantized path's GEMMs.
+    *[(torch.bfloat16, *v) for v in interface.variants(torch.bfloat16, bias_dtypes=(None, torch.bfloat16, torch.float32), scales="fp8")],
 ]
 
 
@@ -84,7 +86,8 @@ def _waits_before_global_access(ptx: str, early_weights: bool, gather: bool) -> 
 def _id(v) -> str:
     dtype, epi, gather, bias_dtype, tile_m, tile_n, early = v
     bias = str(bias_dtype).removeprefix("torch.") if epi.has_bias else "none"
-    name = f"{str(dtype).removeprefix('torch.')}-{epi.activation}-{epi.gate_layout}-gather{int(gather)}-bias_{bias}-{tile_m}x{tile_n}"
+    operands = "fp8-" if epi.scales == "fp8" else ""
+    name = f"{operands}{str(dtype).removeprefix('torch.')}-{epi.activation}-{epi.gate_layout}-gather{int(gather)}-bias_{bias}-{tile_m}x{tile_n}"
     return name + ("-early" if early else "")
 
 
@@ -92,11 +95,14 @@ def _id(v) -> str:
 def test_moe_gemm_variant(variant, tmp_path):
     dtype, epi, gather, bias_dtype, tile_m, tile_n, early = variant
     kernel = MoeGemmSm90(epi, tile_n=tile_n, tile_m=tile_m, gather=gather, num_sms=132, early_weights=early)
-    ptx = _compile(kernel, interface.gemm_compile_args(dtype, bias_dtype), tmp_path)
-    # WGMMA on bf16/fp16 operands (m64nNk16), two accumulators for [gate; up]; swapped (tile_m 16),
-    # the tokens are N.
-    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(bf16|f16)", ptx)
+    fp8 = epi.scales == "fp8"
+    ptx = _compile(kernel, interface.gemm_compile_args(dtype, bias_dtype, fp8=fp8), tmp_path)
+    # WGMMA on bf16/fp16 operands (m64nNk16) or e4m3 ones (m64nNk32), two accumulators for [gate; up];
+    # swapped (tile_m 16), the tokens are N.
+    shape = r"k32\.f32\.(e4m3)\.e4m3" if fp8 else r"k16\.f32\.(bf16|f16)"
+    wgmma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n(\d+){shape}", ptx)
     assert wgmma and {n for n, _ in wgmma} == {str(kernel.tile_m if kernel.swap else kernel.part_n // kernel.wg_grid[1])}
+    assert kernel.tile_k == (128 if fp8 else 64)
     assert "wgmma.fence" in ptx and "wgmma.commit_group" in ptx and "wgmma.wait_group" in ptx
     # Weights by TMA (the compiler may duplicate the load loop's body, so count per part): 3-d
     # (K, rows, expert), or 5-d for paired gate/up rows (K, 8 rows, gate/up, blocks, expert).

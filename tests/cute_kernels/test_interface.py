@@ -230,7 +230,8 @@ def test_gate_up_launch_reads_its_layouts_rows(launches, layout, act):
     out = _call("gate_up", args, activation=act, gate_layout=layout)
     inter = n if act == "relu2" else n // 2
     assert out.shape == (8, inter)
-    ((fn, a, parts, launched_out, offsets, gather, bias, n_part, b_stride, hint),) = launches["launch"]
+    ((fn, a, parts, launched_out, offsets, gather, bias, n_part, b_stride, hint, scales),) = launches["launch"]
+    assert scales is None  # 16-bit operands
     assert a is args["x"] and launched_out is out and offsets is args["offsets"] and gather is args["gather"]
     if layout == "concat":
         assert parts[0] is w and parts[1].data_ptr() == w[:, inter:].data_ptr() and n_part == inter
@@ -294,7 +295,8 @@ def test_sizes_past_int32_are_refused_before_launching(monkeypatch):
     offsets, gather = torch.empty(5, dtype=torch.int32, device="meta"), torch.empty(8, dtype=torch.int32, device="meta")
     hint = (gather, 0, 1)
     interface._launch_gemm(None, torch.empty(8, 64, **meta), (w, w), torch.empty(8, 64, **meta), offsets, gather, None, 64, 64 * 64, hint)
-    assert len(launched) == 1 and launched[0][8:] == (8, 64, 64, 4, 4096, 8, 64, 0, 0, 1)
+    # The pointers (a, both weight parts, out, offsets, gather, hint, bias, two scales), then the sizes.
+    assert len(launched) == 1 and launched[0][10:] == (8, 64, 64, 4, 4096, 8, 64, 0, 0, 1, 0)
     for rows, stride in ((2**31, 64 * 64), (8, 2**31)):
         with pytest.raises(ValueError, match=r"sizes \[.*\]: the kernels take sizes and strides \(in elements\) below 2\*\*31"):
             interface._launch_gemm(None, torch.empty(rows, 64, **meta), (w, w), torch.empty(8, 64, **meta), offsets, gather, None, 64, stride, hint)

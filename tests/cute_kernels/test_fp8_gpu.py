@@ -1,0 +1,124 @@
+"""The kernels with float8_e4m3fn operands (moe_ops/fp8_kernels.py's GEMMs) on a Hopper GPU, against a
+float64 reference of the same codes and scales.
+
+Outputs are poisoned with NaN first, so an element the kernel fails to write fails the test. K = 576 and
+320 are not multiples of the fp8 k-tile (128): the last k-tile is half past K and must read as zeros.
+Run on the GPU host: python -m pytest -m gpu tests/cute_kernels/test_fp8_gpu.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_ops.plan import routing_plan
+
+from .gpu_cases import rel_err, routing
+
+pytestmark = pytest.mark.gpu
+FP8 = torch.float8_e4m3fn
+# The bf16 output's rounding (2**-9 relative per element), plus the fp8 tensor cores' accumulation.
+TOL = 6e-3
+
+
+@pytest.fixture(scope="module")
+def interface():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a Hopper (sm_90) GPU")
+    from cute_kernels import interface
+
+    return interface
+
+
+def _codes(shape, scale_shape):
+    """Random e4m3 codes over most of their range and float32 scales (never zeros)."""
+    codes = (torch.randn(shape, device="cuda") * 100).clamp(-448, 448).to(FP8)
+    return codes, torch.rand(scale_shape, device="cuda") * 0.01 + 0.001
+
+
+def _values(codes, scale):
+    return codes.double() * scale.double()
+
+
+def _gemm64(a, w, offsets, rows):
+    """Row r of the grouped GEMM in float64: a[rows[r]] @ w[e(r)].T for the expert e(r) whose rows hold r."""
+    out = torch.zeros(rows.shape[0], w.shape[1], dtype=torch.float64, device=a.device)
+    bounds = offsets.tolist()
+    for e in range(w.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            out[lo:hi] = a[rows[lo:hi].long()] @ w[e].T
+    return out
+
+
+CASES = [
+    # (activation, layout, bias, per-row activation scales)
+    ("silu", "concat", False, True),
+    ("swigluoai", "interleaved", True, False),
+    ("relu2", "none", False, True),
+]
+
+
+@pytest.mark.parametrize("activation,layout,bias,per_row", CASES)
+def test_every_tile_shape(interface, activation, layout, bias, per_row):
+    """GEMM1 (gathered codes, scales per token or per tensor, per expert) and GEMM2 (grouped rows, scales per
+    row) with every tile shape choose_tiles can pick, ragged experts, H and I that leave the last fp8
+    k-tile half full."""
+    m, e, k, h, i = 200, 16, 3, 576, 320
+    n = i if layout == "none" else 2 * i
+    w13, s13 = _codes((e, n, h), (e, 1, 1))
+    w2, s2 = _codes((e, h, i), (e,))
+    x, xs = _codes((m, h), (m, 1) if per_row else (1,))
+    b13 = torch.randn(e, n, device="cuda") if bias else None
+    b2 = torch.randn(e, h, device="cuda", dtype=torch.bfloat16) if bias else None
+    tw, ti = routing(m, e, k, skew=0.3)
+    offsets, gather, inverse = routing_plan(ti, e, None)
+    valid = int(offsets[-1])
+    pre = _gemm64(_values(x, xs), _values(w13, s13), offsets, gather)
+    if bias:
+        pre += _pre_bias(b13, offsets, n)
+    want_h = _activation64(pre, activation, layout)
+    # GEMM2's input: codes with one scale per grouped row.
+    a2, a2s = _codes((gather.shape[0], i), (gather.shape[0], 1))
+    y = _gemm64(_values(a2, a2s), _values(w2, s2.view(e, 1, 1)), offsets, torch.arange(gather.shape[0], device="cuda"))
+    if bias:
+        y += _pre_bias(b2, offsets, h)
+    want_out = _token_sum64(y, tw, inverse)
+    gate, down = interface.tile_shapes(layout), interface.tile_shapes("none")
+    for j in range(max(len(gate), len(down))):
+        tiles = (gate[j % len(gate)], down[j % len(down)])
+        got_h = torch.full((gather.shape[0], i), float("nan"), device="cuda", dtype=torch.bfloat16)
+        interface.gate_up(
+            x, w13, b13, offsets, gather, activation=activation, alpha=1.702, limit=7.0, gate_layout=layout, out=got_h,
+            tiles=tiles[0], a_scale=xs, w_scale=s13, out_dtype=torch.bfloat16,
+        )  # fmt: skip
+        assert not got_h[:valid].isnan().any(), ("gate_up left rows unwritten", tiles)
+        assert rel_err(got_h[:valid], want_h[:valid]) < TOL, (tiles, rel_err(got_h[:valid], want_h[:valid]))
+        got = torch.full((m, h), float("nan"), device="cuda", dtype=torch.bfloat16)
+        interface.down_reduce(a2, w2, b2, offsets, tw, inverse, out=got, tiles=tiles[1], a_scale=a2s, w_scale=s2,
+                              out_dtype=torch.bfloat16)  # fmt: skip
+        assert not got.isnan().any(), ("down_reduce left elements unwritten", tiles)
+        assert rel_err(got, want_out) < TOL, (tiles, rel_err(got, want_out))
+
+
+def _activation64(h, kind, layout):
+    """The three CASES' activations in float64 (the op takes float32 at most): [gate; up] halves or
+    interleaved pairs; swigluoai with alpha 1.702 and limit 7 (gpt-oss)."""
+    if kind == "relu2":
+        return torch.relu(h) ** 2
+    g, u = (h[:, 0::2], h[:, 1::2]) if layout == "interleaved" else h.chunk(2, dim=-1)
+    if kind == "silu":
+        return g * torch.sigmoid(g) * u
+    g, u = g.clamp(max=7.0), u.clamp(-7.0, 7.0)
+    return g * torch.sigmoid(1.702 * g) * (u + 1)
+
+
+def _pre_bias(bias, offsets, n):
+    """Each grouped row's expert's bias row, in float64 (every row belongs to an expert: no expert map)."""
+    rows = torch.arange(int(offsets[-1]), device=offsets.device)
+    return bias.double()[torch.searchsorted(offsets[1:], rows, right=True)]
+
+
+def _token_sum64(y, tw, inverse):
+    """out[t] = sum_j tw[t, j] * y[inverse[t * k + j]] in float64."""
+    m, k = tw.shape
+    return (y[inverse.long()].view(m, k, -1) * tw.double().unsqueeze(-1)).sum(1)
