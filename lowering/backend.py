@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_ops import dequant_kernels
+from moe_ops import dequant_kernels, fp8_kernels
 from moe_ops.eager_kernels import COLUMN_MAJOR_REMEDY, gate_layout
 from moe_ops.gemm import _W_PACKING
 
@@ -120,10 +120,17 @@ def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
         n, k, which = recipe["hidden"], recipe["intermediate"], "w2"
     if not ok or not quantized:
         return ok, why
+    if _fp8(recipe):
+        return True, fp8_kernels.reason(recipe["a_group"]) + why
     too_big = dequant_kernels.why_not(which, recipe["num_experts"], n, k, dtype)
     if too_big is not None:
         return False, too_big
     return True, dequant_kernels.REASON.format(dtype=dtype) + why
+
+
+def _fp8(recipe: dict) -> bool:
+    """Whether a quantized recipe runs on the kernels' fp8 WGMMA (fp8_kernels.py) rather than decoded."""
+    return fp8_kernels.serves(recipe["a_dtype"], recipe["a_group"], recipe["w_dtype"], recipe["w_group"])
 
 
 def _choose(op: str, recipe: dict, device: torch.device, tensors: dict | None = None) -> Choice:
@@ -142,7 +149,8 @@ def _choose(op: str, recipe: dict, device: torch.device, tensors: dict | None = 
             ok, why = False, off
         if ok:
             quantized = recipe["quantized"]
-            choice = Choice("cute+dequant" if quantized else "cute", why, _KERNELS[op, quantized])
+            label = ("cute+fp8" if _fp8(recipe) else "cute+dequant") if quantized else "cute"
+            choice = Choice(label, why, _KERNELS[op, quantized])
         else:
             choice = Choice("reference", why)
     if choice.kernel is None and device.type == "cuda" and REQUIRE_KERNELS["value"]:
@@ -208,7 +216,10 @@ _POINTERS = {
 
 
 def _pointers(op: str, args: dict) -> dict:
-    return {name: args.get(name) for name in _POINTERS[op]}
+    names = _POINTERS[op]
+    if fp8_kernels.serves(args["a_dtype"], args["a_group"], args["w_dtype"], args["w_group"]):
+        names += ("a_scale", "w_scale")  # read by the fp8 kernels' epilogue; the decoder has no such need
+    return {name: args.get(name) for name in names}
 
 
 _WARNED: set[tuple[str, str]] = set()

@@ -4,8 +4,9 @@ Backends:
 - reference: plain PyTorch (moe_ops' own ops), every scheme, on any device with the dtypes it needs.
   It dequantizes weights on each call: right everywhere, fast nowhere.
 - cute: the CuTe DSL grouped-GEMM kernels (cute_kernels) on Hopper (sm_90) GPUs: behind the fused ops
-  of the lowering when compiled, called by fused_experts itself when eager (eager_kernels.py); for a
-  quantized scheme on weights decoded per call (dequant_kernels.py).
+  of the lowering when compiled, called by fused_experts itself when eager (eager_kernels.py); for
+  fp8_w8a8_per_tensor on the fp8 codes (fp8_kernels.py), for the other quantized schemes on weights
+  decoded per call (dequant_kernels.py).
 `support_table()` prints the answer to "why is this slow / unsupported?".
 """
 from __future__ import annotations
@@ -26,13 +27,17 @@ _REFERENCE_DEVICES = {
 _FP8_SCHEMES = {n for n in SCHEMES if n.startswith("fp8") or n in ("mxfp4_w4a8", "nvfp4_w4a16", "nvfp4_w4a4")}
 
 # The activation dtypes the CuTe DSL kernels take (cute_kernels.interface has the per-call checks: H and
-# I multiples of 64, row-major weights, contiguous inputs). Quantized schemes run them on weights
-# decoded to that dtype on each call (dequant_kernels.py): no kernel multiplies quantized operands yet.
+# I multiples of 64, row-major weights, contiguous inputs). fp8_w8a8_per_tensor runs them on its fp8
+# codes (fp8_kernels.py); the other quantized schemes on weights decoded to that dtype on each call
+# (dequant_kernels.py).
 CUTE_DTYPES = (torch.bfloat16, torch.float16)
 CUTE_DECODED = (
     "weights (and quantized activations) decoded to the activations' dtype on each call, then the bf16/fp16 "
-    "kernels; no kernel multiplies quantized operands yet (decoded weights up to 8 GiB per GEMM)"
+    "kernels (decoded weights up to 8 GiB per GEMM)"
 )
+CUTE_FP8 = "the fp8 codes multiplied by fp8 WGMMA, scaled per expert and per tensor in the epilogue"
+# The schemes the fp8 kernels serve (fp8_kernels.serves: one weight scale per expert).
+CUTE_FP8_SCHEMES = ("fp8_w8a8_per_tensor",)
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,8 @@ def cute_support(scheme: str, device: torch.device | str, dtype: torch.dtype = t
         return Support("cute", scheme, label, False, f"the kernels use Hopper's wgmma and TMA (sm_90), device is {capability}")
     if dtype not in CUTE_DTYPES:
         return Support("cute", scheme, label, False, f"activations in {dtype}; the kernels take {CUTE_DTYPES}")
+    if scheme in CUTE_FP8_SCHEMES:
+        return Support("cute", scheme, label, True, CUTE_FP8)
     if scheme != "unquantized":
         return Support("cute", scheme, label, True, CUTE_DECODED)
     return Support("cute", scheme, label, True, "CuTe DSL grouped GEMMs with fused epilogues (H, I multiples of 64, row-major weights)")
@@ -86,7 +93,7 @@ def check_device_supports(scheme: str, device: torch.device) -> None:
 def _cell(s: Support) -> str:
     if not s.supported:
         return "no: " + s.reason
-    return "yes, decoded per call" if s.reason == CUTE_DECODED else "yes"
+    return {CUTE_DECODED: "yes, decoded per call", CUTE_FP8: "yes, fp8 codes"}.get(s.reason, "yes")
 
 
 def support_table() -> str:

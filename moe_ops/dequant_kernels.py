@@ -1,8 +1,9 @@
 """Quantized schemes on a Hopper GPU: the weights (and quantized activations) dequantized on each call to
 the activations' dtype, then the bf16/fp16 CuTe DSL kernels (cute_kernels.interface).
 
-No CuTe DSL kernel multiplies quantized operands yet. The reference, which every quantized scheme ran
-on before, multiplies float32 values on CUDA one gathered weight per grouped row (its grouped_mm has no
+The fp8 schemes with one weight scale per expert skip all this: the kernels multiply their codes
+(fp8_kernels.py, dispatched from gate_up and down_reduce here). For the others: the reference, which
+every quantized scheme ran on before, multiplies float32 values on CUDA one gathered weight per grouped row (its grouped_mm has no
 float32 path without a host sync): 105 ms for a qwen3-shaped fp8 layer at M = 1024, 361 ms for gpt-oss
 in mxfp4 (bench/NOTES.md v43). Here each call decodes the weights it reads once, into the activations'
 dtype, and the kernels do the rest:
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from . import fp8_kernels
 from .expert_slots import expert_slots
 from .gemm import _CHUNK_BYTES, _dequantizer
 from .quant.formats import PACKING
@@ -35,7 +37,7 @@ from .quant.quantize import dequantize_activation, quantize
 # experts with expert_map).
 MAX_BYTES = 8 << 30
 
-REASON = "weights dequantized to {dtype} on each call (no CuTe DSL kernel multiplies quantized operands yet), then "
+REASON = "weights dequantized to {dtype} on each call (the kernels multiply fp8 codes only with one weight scale per expert), then "
 
 
 def decoded_bytes(num_experts: int, n: int, k: int, dtype: torch.dtype) -> int:
@@ -105,7 +107,15 @@ def gate_up(
     """moe_ops::gate_up through the kernels (the op's arguments, plus the kernels' gate_layout): x [M, H]
     quantized and dequantized as a_dtype says, w decoded (dequantized_experts), GEMM1 + activation in the
     kernel, the intermediate [P, I] quantized as out_quant_dtype says. Returns (intermediate, scale) as the
-    op does. expert_ids is not read: the kernel's expert hint indexes E experts, not slots."""
+    op does. The schemes fp8_kernels serves run there, on the codes, with expert_ids as the kernels'
+    hint; here expert_ids is not read (the kernel's hint indexes E experts, not slots)."""
+    if fp8_kernels.serves(a_dtype, a_group, w_dtype, w_group):
+        return fp8_kernels.gate_up(
+            interface, x=x, a_scale=a_scale, a_dtype=a_dtype, a_group=a_group, w=w, w_scale=w_scale, bias=bias,
+            expert_offsets=expert_offsets, gather_idx=gather_idx, activation=activation, alpha=alpha, limit=limit,
+            gate_layout=gate_layout, out_quant_dtype=out_quant_dtype, out_quant_group=out_quant_group, out_scale=out_scale,
+            out_global_scale=out_global_scale, expert_ids=expert_ids,
+        )  # fmt: skip
     dtype = x.dtype
     if a_dtype != "none":
         q, s = quantize(x, a_dtype, list(a_group), a_scale, a_global_scale)
@@ -133,7 +143,13 @@ def down_reduce(
 ):  # fmt: skip
     """moe_ops::down_reduce through the kernels: a [P, I'] dequantized to out_dtype, w decoded
     (dequantized_experts), GEMM2 + [norm] + router weight + token sum in the kernels. [M, H] in out_dtype.
-    weights_early is not used: the kernel before GEMM2 is now the decoding that writes its weights."""
+    weights_early is not used: the kernel before GEMM2 is now the decoding that writes its weights (or,
+    for the schemes fp8_kernels serves, the intermediate's quantizer)."""
+    if fp8_kernels.serves(a_dtype, a_group, w_dtype, w_group):
+        return fp8_kernels.down_reduce(
+            interface, a=a, a_scale=a_scale, w=w, w_scale=w_scale, bias=bias, expert_offsets=expert_offsets,
+            topk_weights=topk_weights, inverse=inverse, out_dtype=out_dtype, norm_weight=norm_weight, norm_eps=norm_eps,
+        )  # fmt: skip
     rows = a.shape[0]
     x = _activations(a, a_dtype, a_group, a_scale, a_global_scale, out_dtype)
     wd, bd, offsets = dequantized_experts(

@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from . import _checks, dequant_kernels
+from . import _checks, dequant_kernels, fp8_kernels
 from .activation import ACTIVATIONS, Activation
 from .quant.config import QuantConfig
 from .quant.scheme import op_args
@@ -111,7 +111,7 @@ def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_
     ):
         if not ok:
             return interface, why
-    if quantized:
+    if quantized and not fp8_kernels.serves(*op_args(scheme.activation), *op_args(scheme.weight)):
         for which, n, k in (("w13", n13, hidden), ("w2", hidden, intermediate)):
             too_big = dequant_kernels.why_not(which, num_experts, n, k, x.dtype)
             if too_big is not None:
@@ -134,7 +134,8 @@ def run(
 
     offsets, gather_idx, inverse = routing_plan_triton(topk_ids, w13.shape[0], expert_map)
     if config is not None and (config.scheme.activation is not None or config.scheme.weight is not None):
-        return _run_quantized(interface, x, w13, w2, topk_weights, act, w13_bias, w2_bias, norm, config, offsets, gather_idx, inverse)
+        ids = topk_ids if expert_map is None else None
+        return _run_quantized(interface, x, w13, w2, topk_weights, act, w13_bias, w2_bias, norm, config, offsets, gather_idx, inverse, ids)
     h = interface.gate_up(
         x, w13, w13_bias, offsets, gather_idx, activation=act.kind, alpha=act.alpha, limit=act.limit,
         gate_layout=gate_layout(act.kind, act.interleaved), expert_ids=topk_ids if expert_map is None else None,
@@ -144,9 +145,10 @@ def run(
     return interface.down_reduce(h, w2, w2_bias, offsets, topk_weights, inverse, weights_early=True, **norm_args)
 
 
-def _run_quantized(interface, x, w13, w2, topk_weights, act, w13_bias, w2_bias, norm, config, offsets, gather_idx, inverse):
+def _run_quantized(interface, x, w13, w2, topk_weights, act, w13_bias, w2_bias, norm, config, offsets, gather_idx, inverse, expert_ids):
     """The quantized chain with the lowering's fused-op arguments, through dequant_kernels (the compiled
-    layer calls the same two functions, so the two agree bit for bit)."""
+    layer calls the same two functions, so the two agree bit for bit). expert_ids: the kernels' M = 1
+    weight hint (local ids), or None."""
     scheme = config.scheme
     (a_dtype, a_group), (w_dtype, w_group) = op_args(scheme.activation), op_args(scheme.weight)
     t13, t2 = config.gemm("13"), config.gemm("2")
@@ -156,7 +158,7 @@ def _run_quantized(interface, x, w13, w2, topk_weights, act, w13_bias, w2_bias, 
         w_group=w_group, bias=w13_bias, expert_offsets=offsets, gather_idx=gather_idx, activation=act.kind,
         alpha=float(act.alpha), limit=float(act.limit), interleaved=act.interleaved,
         gate_layout=gate_layout(act.kind, act.interleaved), out_quant_dtype=a_dtype, out_quant_group=a_group,
-        out_scale=t2["a_scale"], out_global_scale=t2["a_global_scale"], out_dtype=x.dtype,
+        out_scale=t2["a_scale"], out_global_scale=t2["a_global_scale"], out_dtype=x.dtype, expert_ids=expert_ids,
     )  # fmt: skip
     return dequant_kernels.down_reduce(
         interface, a=q, a_scale=q_scale if a_dtype != "none" else None, a_global_scale=t2["a_global_scale"],

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import moe_ops
-from moe_ops import dequant_kernels
+from moe_ops import dequant_kernels, fp8_kernels
 from moe_ops.activation import Activation
 from moe_ops.activation import activation as activation_op
 from moe_ops.eager_kernels import _run_quantized
@@ -20,6 +20,7 @@ from moe_ops.fused_experts import fused_experts
 from moe_ops.gemm import grouped_gemm
 from moe_ops.plan import routing_plan
 from moe_ops.quant import formats
+from moe_ops.quant.scheme import op_args
 from moe_ops.reduce import weighted_reduce
 from moe_ops.reference import moe_float64, relative_error, tolerance
 
@@ -46,21 +47,36 @@ class ReferenceKernels:
         assert offsets.dtype == torch.int32 and offsets.shape == (w.shape[0] + 1,)
         assert bias is None or (bias.shape == w.shape[:2] and bias.is_contiguous())
 
-    def gate_up(self, x, w, bias, offsets, gather, *, activation, alpha, limit, gate_layout, out=None, expert_ids=None):
+    @staticmethod
+    def _operands(a, a_scale, w, w_scale, out_dtype):
+        """grouped_gemm's (a, a_scale, a_dtype, a_group, w, w_scale, w_dtype, w_group, out_dtype) for the
+        interface's operands: 16-bit, or fp8 codes with per-row/per-tensor and per-expert scales."""
+        if a.dtype != torch.float8_e4m3fn:
+            assert a_scale is None and w_scale is None and out_dtype in (None, a.dtype)
+            return a, None, "none", [-1, -1], w, None, "none", [-1, -1], a.dtype
+        assert a_scale.dtype == w_scale.dtype == torch.float32 and w_scale.numel() == w.shape[0]
+        a_group = [1, -1] if a_scale.numel() > 1 else [-1, -1]
+        return a, a_scale.reshape(-1, 1), "fp8", a_group, w, w_scale.reshape(-1, 1, 1), "fp8", [-1, -1], out_dtype
+
+    def gate_up(self, x, w, bias, offsets, gather, *, activation, alpha, limit, gate_layout, out=None, expert_ids=None,
+                a_scale=None, w_scale=None, out_dtype=None):  # fmt: skip
         self._check(x, w, bias, offsets)
         self.calls.append(("gate_up", w.shape[0]))
-        h = grouped_gemm(x, None, None, "none", [-1, -1], w, None, None, None, "none", [-1, -1], bias, offsets, gather, x.dtype)
+        x, xs, x_dtype, x_group, w, ws, w_dtype, w_group, dtype = self._operands(x, a_scale, w, w_scale, out_dtype)
+        h = grouped_gemm(x, xs, None, x_dtype, x_group, w, ws, None, None, w_dtype, w_group, bias, offsets, gather, dtype)
         h = activation_op(h, activation, alpha, limit, gate_layout == "interleaved")
         out = torch.full_like(h, STALE) if out is None else out
         written = torch.arange(h.shape[0]) < offsets[-1]
         out[written] = h[written]
         return out
 
-    def down_reduce(self, a, w, bias, offsets, topk_weights, inverse, weights_early=False, norm_weight=None, norm_eps=1e-6):
+    def down_reduce(self, a, w, bias, offsets, topk_weights, inverse, weights_early=False, norm_weight=None, norm_eps=1e-6,
+                    a_scale=None, w_scale=None, out_dtype=None):  # fmt: skip
         self._check(a, w, bias, offsets)
         assert not weights_early  # the decoding right before GEMM2 writes its weights
         self.calls.append(("down_reduce", w.shape[0]))
-        y = grouped_gemm(a, None, None, "none", [-1, -1], w, None, None, None, "none", [-1, -1], bias, offsets, None, a.dtype)
+        a, as_, a_dtype, a_group, w, ws, w_dtype, w_group, dtype = self._operands(a, a_scale, w, w_scale, out_dtype)
+        y = grouped_gemm(a, as_, None, a_dtype, a_group, w, ws, None, None, w_dtype, w_group, bias, offsets, None, dtype)
         if norm_weight is not None:
             y = post_expert_norm(y, norm_weight, norm_eps)
         return weighted_reduce(y, topk_weights, inverse, offsets)
@@ -146,10 +162,12 @@ def test_compositions_match_the_op_chain(case, m, dtype, mapped):
     offsets, gather_idx, inverse = routing_plan(ids, q13.shape[0], expert_map)
     kernels = ReferenceKernels()
     got = _run_quantized(
-        kernels, x, q13, q2, tw, Activation(), config.w13_bias, config.w2_bias, None, config, offsets, gather_idx, inverse
+        kernels, x, q13, q2, tw, Activation(), config.w13_bias, config.w2_bias, None, config, offsets, gather_idx, inverse, None
     )
-    slots = min(ids.numel(), q13.shape[0])
-    assert kernels.calls == [("gate_up", slots), ("down_reduce", slots)]
+    # The fp8 kernels multiply every local expert's codes; the decoding path hands them its slots.
+    fp8 = fp8_kernels.serves(*op_args(scheme.activation), *op_args(scheme.weight))
+    experts = q13.shape[0] if fp8 else min(ids.numel(), q13.shape[0])
+    assert kernels.calls == [("gate_up", experts), ("down_reduce", experts)]
     a_dtype = None if scheme.activation is None else scheme.activation.dtype
     assert got.dtype == dtype
     err = relative_error(got, want)
@@ -189,7 +207,7 @@ def _cuda_layer(case, m, num_experts=5):
 
 
 GPU_CASES = [
-    "fp8_w8a8_block", "fp8_w8a8_per_tensor_dynamic", "fp8_w8a8_per_token", "fp8_w8a16_per_channel", "int8_w8a8_dynamic",
+    "fp8_w8a8_block", "fp8_w8a8_per_tensor_dynamic", "fp8_w8a8_per_tensor_static", "fp8_w8a8_per_token", "fp8_w8a16_per_channel", "int8_w8a8_dynamic",
     "int4_w4a16_zero_point", "nvfp4_w4a4", "mxfp4_w4a16", "mxfp4_w4a8_per_tensor_static",
 ]  # fmt: skip
 
@@ -230,12 +248,14 @@ def test_quantized_call_runs_the_kernels_on_decoded_weights(case, m, num_experts
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", ("fp8_w8a8_block", "fp8_w8a8_per_tensor_static", "fp8_w8a8_per_tensor_dynamic"))
 @pytest.mark.parametrize("m", (1, 16))
-def test_quantized_call_captures_in_a_cuda_graph(m):
-    """The dequantizing path captured in a CUDA graph (no host sync anywhere: capture would fail): each
-    replay reads the routing copied into the captured tensors and equals an eager call with it."""
+def test_quantized_call_captures_in_a_cuda_graph(m, case):
+    """The quantized paths captured in a CUDA graph (no host sync anywhere: capture would fail), decoding
+    (block scales) and on fp8 codes (per-tensor scales): each replay reads the routing copied into the
+    captured tensors and equals an eager call with it."""
     _hopper()
-    (x, q13, q2, tw, ids, config), _, _ = _cuda_layer("fp8_w8a8_block", m)
+    (x, q13, q2, tw, ids, config), _, _ = _cuda_layer(case, m)
     routings = [(torch.rand_like(tw), torch.stack([torch.randperm(5)[:2] for _ in range(m)]).to(ids)) for _ in range(2)]
     with torch.no_grad():
         fused_experts(x, q13, q2, tw, ids, quant_config=config)  # compile the kernels outside the capture

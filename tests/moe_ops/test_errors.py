@@ -475,14 +475,24 @@ def test_cute_support_reasons(case):
 
 def test_support_table_rows():
     """One row per scheme: the reference serves every scheme on CPU and CUDA; the CuTe DSL kernels
-    (bf16, sm_90) every scheme, the quantized ones on weights decoded per call (dequant_kernels.py),
-    which the cell says."""
+    (bf16, sm_90) every scheme: fp8_w8a8_per_tensor on its fp8 codes (fp8_kernels.py), the other
+    quantized ones on weights decoded per call (dequant_kernels.py), which the cell says. The table's
+    fp8 schemes are the ones fp8_kernels serves."""
+    from moe_ops import fp8_kernels
+
     rows = BACKENDS.support_table().splitlines()[2:]
     assert [r.split(" | ")[0].removeprefix("| ") for r in rows] == list(quant.SCHEMES)
     for row in rows:
         scheme, ref_cpu, ref_cuda, cute = (c.strip() for c in row.strip("| ").split(" | "))
         assert ref_cpu == ref_cuda == "yes", row
-        assert cute == ("yes" if scheme == "unquantized" else "yes, decoded per call"), row
+        want = "yes" if scheme == "unquantized" else "yes, fp8 codes" if scheme == "fp8_w8a8_per_tensor" else "yes, decoded per call"
+        assert cute == want, row
+        assert BACKENDS.cute_support(scheme, "cuda", torch.float32, capability=(9, 0)).supported is False
+    for name, (acts, weights) in quant.SCHEMES.items():
+        keys = [(a, w) for a in acts for w in weights if a and w]
+        served = [fp8_kernels.serves(a[0], (-1, -1) if a[1] == "per-tensor" else (1, -1), w[0], (-1, -1) if w[1] == "per-tensor" else (1, -1))
+                  for a, w in keys if {a[1], w[1]} <= {"per-tensor", "per-row"}]  # fmt: skip
+        assert (name in BACKENDS.CUTE_FP8_SCHEMES) == (bool(served) and all(served)), name
         assert BACKENDS.cute_support(scheme, "cuda", torch.float32, capability=(9, 0)).supported is False
 
 

@@ -1,0 +1,67 @@
+"""fp8 schemes whose weights carry one scale per expert, on the kernels' fp8 WGMMA: no decoding.
+
+    GEMM1: h = act((q1 @ w13_q[e].T) * a13_scale(token) * w13_scale[e] + bias)     q1 = quantize(x)
+    GEMM2: y = (q2 @ w2_q[e].T) * a2_scale(row) * w2_scale[e] + bias               q2 = quantize(h)
+
+The kernels (cute_kernels.interface with float8_e4m3fn operands) multiply the e4m3 codes on the tensor
+cores and scale each accumulator before the bias and the activation, so every call reads the weights'
+bytes once, as they are stored: half of bf16's, where decoding (dequant_kernels.py) read them, wrote
+them in bf16 and read them again. Activation scales: per tensor (static or dynamic) or per token
+(dynamic), quantized by moe_ops::quantize exactly as in the op chain, the intermediate likewise.
+
+Numerics: the products of e4m3 codes are exact and accumulate in the tensor cores' fp32 accumulators,
+whose additions of fp8 products keep fewer mantissa bits than IEEE fp32 (on Hopper about 22; DeepSeek-V3's
+report measured the effect over K = 4096 at about 2**-13 relative, well below the bf16 output's 2**-9).
+"""
+from __future__ import annotations
+
+import torch
+
+from .quant.quantize import quantize
+
+# The schemes served: fp8 weights with one scale per expert (GroupShape kind "per-tensor"), activations
+# in fp8 with a per-tensor or per-row scale (their group as the op chain gives it).
+WEIGHT_GROUPS = ((-1, -1),)
+ACTIVATION_GROUPS = ((-1, -1), (1, -1))
+
+REASON = "fp8 codes multiplied by the kernels' fp8 WGMMA, scaled per expert and per {a} in the epilogue; "
+
+
+def serves(a_dtype: str, a_group, w_dtype: str, w_group) -> bool:
+    """Whether a quantized GEMM with these formats runs here (else dequant_kernels decodes it)."""
+    return (
+        a_dtype == "fp8" and tuple(a_group) in ACTIVATION_GROUPS and w_dtype == "fp8" and tuple(w_group) in WEIGHT_GROUPS
+    )
+
+
+def reason(a_group) -> str:
+    return REASON.format(a="token" if tuple(a_group) == (1, -1) else "tensor")
+
+
+def gate_up(
+    interface, *, x, a_scale, a_dtype, a_group, w, w_scale, bias, expert_offsets, gather_idx, activation, alpha, limit,
+    gate_layout, out_quant_dtype, out_quant_group, out_scale, out_global_scale, expert_ids,
+):  # fmt: skip
+    """moe_ops::gate_up for a scheme `serves` accepts: x [M, H] quantized as the chain does, GEMM1 on the
+    codes, the intermediate [P, I] quantized for GEMM2. Returns (intermediate, scale) as the op does.
+    expert_ids: the routing plan's topk_ids as the kernels' M = 1 weight hint (local ids), or None."""
+    q, s = quantize(x, a_dtype, list(a_group), a_scale, None)
+    rows = gather_idx.shape[0]
+    inter = w.shape[1] // 2 if gate_layout != "none" else w.shape[1]
+    # The kernel leaves dropped pairs' rows unwritten; the quantizer reads every row (a per-tensor scale
+    # would take a stale row's values), so they start as zeros, as the reference's rows are.
+    out = torch.zeros(rows, inter, dtype=x.dtype, device=x.device)
+    h = interface.gate_up(
+        q, w, bias, expert_offsets, gather_idx, activation=activation, alpha=alpha, limit=limit, gate_layout=gate_layout,
+        out=out, expert_ids=expert_ids, a_scale=s, w_scale=w_scale, out_dtype=x.dtype,
+    )  # fmt: skip
+    return quantize(h, out_quant_dtype, list(out_quant_group), out_scale, out_global_scale)
+
+
+def down_reduce(interface, *, a, a_scale, w, w_scale, bias, expert_offsets, topk_weights, inverse, out_dtype, norm_weight, norm_eps):
+    """moe_ops::down_reduce for a scheme `serves` accepts: GEMM2 on the intermediate's codes a [P, I]
+    with their scale, then [norm +] router weight + token sum. [M, H] in out_dtype."""
+    norm = {} if norm_weight is None else dict(norm_weight=norm_weight, norm_eps=norm_eps)
+    return interface.down_reduce(
+        a, w, bias, expert_offsets, topk_weights, inverse, a_scale=a_scale, w_scale=w_scale, out_dtype=out_dtype, **norm,
+    )  # fmt: skip
