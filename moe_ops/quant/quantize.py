@@ -6,8 +6,8 @@ moe_ops::quantize(x [M, K], dtype, group, scale, global_scale) -> (q, scale):
 - int8: per-token dynamic or per-tensor static: q int8 [M, K], scale float32 [M, 1] / [1, 1];
 - nvfp4: groups [1, 16] with the static float32 global scale [1] given: q uint8 [M, K/2] (packed
   e2m1), scale float8_e4m3fn [M, K/16].
-On CUDA, fp8 (sm_89 on) and int8 with groups within a row or a static scale run one Triton launch
-(quantize_kernel.py), bit for bit the torch quantizers' values.
+On CUDA, fp8 (sm_89 on) and int8 run in Triton (quantize_kernel.py: one launch, three for a per-tensor
+dynamic scale), bit for bit the torch quantizers' values.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from .scheme import ActivationQuant, GroupShape
 
 ACTIVATION_STORAGE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8, "nvfp4": torch.uint8}
 _SCALE_DTYPE = {"fp8": torch.float32, "int8": torch.float32, "nvfp4": torch.float8_e4m3fn}
-# Formats quantize_kernel.py serves on CUDA (groups within a row, or a static per-tensor scale), and the
-# least compute capability it needs: Triton converts to e4m3 from sm_89 on (elsewhere torch quantizes).
+# Formats quantize_kernel.py serves on CUDA (every group they allow), and the least compute capability
+# it needs: Triton converts to e4m3 from sm_89 on (elsewhere torch quantizes).
 ROW_KERNEL_CAPABILITY = {"fp8": (8, 9), "int8": (0, 0)}
 
 
@@ -83,12 +83,12 @@ def _quantize(
     check_quantize_args(x, dtype, group, scale, global_scale)
     group_t = (group[0], group[1])
     if (
-        x.device.type == "cuda" and dtype in ROW_KERNEL_CAPABILITY and (group_t[0] == 1 or scale is not None)
+        x.device.type == "cuda" and dtype in ROW_KERNEL_CAPABILITY
         and torch.cuda.get_device_capability(x.device) >= ROW_KERNEL_CAPABILITY[dtype]
     ):  # fmt: skip
         from .quantize_kernel import quantize_rows  # Triton: imported where it runs
 
-        return quantize_rows(x, dtype, group_t, scale)  # one launch, the same values
+        return quantize_rows(x, dtype, group_t, scale)  # one to three launches, the same values
     static = scale.reshape(1, 1) if scale is not None else None
     q, s = _QUANTIZERS[dtype](x, group_t, static, global_scale)
     # A static scale comes back as a fresh tensor: custom ops may not return (aliases of) their inputs.

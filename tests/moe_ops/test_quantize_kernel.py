@@ -1,6 +1,7 @@
 """moe_ops/quant/quantize_kernel.py: moe_ops::quantize on CUDA (one Triton launch for fp8 / int8 groups
-within a row and static scales) gives the torch quantizers' codes and scales bit for bit, NaN, inf,
-saturation, zero rows and ragged groups included. GPU only: the kernel casts to e4m3 in hardware."""
+within a row and static scales, three for per-tensor dynamic scales) gives the torch quantizers' codes
+and scales bit for bit, NaN, inf, saturation, zero rows and ragged groups included. GPU only: the kernel
+casts to e4m3 in hardware."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +14,8 @@ from moe_ops.quant.quantize import _QUANTIZERS, _SCALE_DTYPE, quantize
 CASES = [
     ("fp8", [1, 128], False, 512), ("fp8", [1, 128], False, 200), ("fp8", [1, -1], False, 2880), ("fp8", [-1, -1], True, 768),
     ("int8", [1, -1], False, 512), ("int8", [-1, -1], True, 300), ("int8", [1, -1], False, 7168),
+    # per-tensor dynamic: the amax over every row skips the NaN and inf rows
+    ("fp8", [-1, -1], False, 2880), ("fp8", [-1, -1], False, 200), ("int8", [-1, -1], False, 768),
 ]  # fmt: skip
 
 
@@ -67,6 +70,13 @@ def test_the_cuda_op_passes_opcheck_and_takes_one_launch():
     names = kernel_launches(lambda: quantize(x, "fp8", [1, 128], None, None))
     assert sum("quantize_kernel" in n for n in names) == 1 and len(names) == 1, names
     assert quantize(x[:0], "fp8", [1, 128], None, None)[1].shape == (0, 2)
+    # Per-tensor dynamic: the amax's zeroed float32, the amax, the quantizing.
+    torch.library.opcheck(quantize, (x, "fp8", [-1, -1], None, None))
+    names = kernel_launches(lambda: quantize(x, "fp8", [-1, -1], None, None))
+    assert [("amax_kernel" in n, "quantize_kernel" in n) for n in names[1:]] == [(True, False), (False, True)], names
+    assert len(names) == 3, names
+    empty = quantize(x[:0], "fp8", [-1, -1], None, None)[1]
+    assert torch.equal(empty.cpu(), formats.quantize_fp8(x[:0].cpu(), (-1, -1))[1])  # [1, 1]: the float32 TINY
 
 
 def test_zero_rows_on_the_cpu_match_the_shapes_the_kernel_gives():
