@@ -1,8 +1,9 @@
 """python bench/quant_layers.py [--kernels] [--tokens 1 16 128 1024] [CASE ...]: quantized FusedMoE layers
-on an sm_90 GPU, eager under inference_mode and value_checks(False), as the dequantizing path runs them
-(moe_ops/dequant_kernels.py). Prints µs per call as CUDA-graph replays of one call (median); with
---kernels also each call's GPU kernels by the profiler (µs per call and launches per call, the eight
-longest). bench/NOTES.md v45-v46 hold its numbers.
+on an sm_90 GPU, eager under inference_mode and value_checks(False), as the quantized paths run them
+(moe_ops/dequant_kernels.py, fp8_kernels.py), and bf16 layers of the same shapes. Prints µs per call
+as CUDA-graph replays of one call (median); with --kernels also each call's GPU kernels by the
+profiler (µs per call and launches per call, the eight longest). bench/NOTES.md v45-v47 hold its
+numbers.
 """
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ CASES = {
     "qwen3-fp8-block": ((128, 8, 2048, 768), QuantScheme(ActivationQuant("fp8", GroupShape(1, 128)), WeightQuant("fp8", GroupShape(128, 128)))),
     "gpt-oss-mxfp4": ((128, 4, 2880, 2880), QuantScheme(None, WeightQuant("mxfp4", GroupShape(1, 32)))),
     "qwen3-fp8-per-tensor": ((128, 8, 2048, 768), QuantScheme(ActivationQuant("fp8", GroupShape(-1, -1)), WeightQuant("fp8", GroupShape(-1, -1)))),
+    "qwen3-fp8-per-tensor-static": ((128, 8, 2048, 768), QuantScheme(ActivationQuant("fp8", GroupShape(-1, -1), static=True), WeightQuant("fp8", GroupShape(-1, -1)))),
+    "qwen3-fp8-per-token": ((128, 8, 2048, 768), QuantScheme(ActivationQuant("fp8", GroupShape(1, -1)), WeightQuant("fp8", GroupShape(1, -1)))),
+    "mixtral-fp8-per-tensor": ((8, 2, 4096, 14336), QuantScheme(ActivationQuant("fp8", GroupShape(-1, -1)), WeightQuant("fp8", GroupShape(-1, -1)))),
+    # The unquantized layers of the same shapes, for comparison.
+    "qwen3-bf16": ((128, 8, 2048, 768), None),
+    "mixtral-bf16": ((8, 2, 4096, 14336), None),
 }  # fmt: skip
 
 

@@ -313,7 +313,7 @@ def gemm_compile_args(dtype, bias_dtype, fp8: bool = False) -> tuple:
     od, bd, i32, f32 = _CUTLASS_DTYPE[dtype], _CUTLASS_DTYPE[bias_dtype], cutlass.Int32, cutlass.Float32
     ad = _CUTLASS_DTYPE[FP8] if fp8 else od
     ptrs = (*[cc.fake_ptr(ad)] * 3, cc.fake_ptr(od), *[cc.fake_ptr(i32)] * 3, cc.fake_ptr(bd), *[cc.fake_ptr(f32)] * 2)
-    return (*ptrs, *[Int32(64)] * 11, cc.fake_stream())
+    return (*ptrs, *[Int32(64)] * 12, cc.fake_stream())
 
 
 def token_sum_compile_args(dtype) -> tuple:
@@ -380,7 +380,8 @@ def _hint(x: torch.Tensor, gather: torch.Tensor, expert_ids: torch.Tensor | None
 
 
 def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride, hint=None, scales=None):
-    """scales: (a_scale, w_scale) of fp8 operands (_fp8_scales), or None."""
+    """scales: (a_scale, w_scale) of fp8 operands (_fp8_scales), or None. The kernel reads a_scale with a
+    row stride of 1 (per row) or 0 (per tensor), w_scale as [E, 1] or [E, N]."""
     num_experts = offsets.shape[0] - 1
     hint_ids, hint_pairs, hint_stride = hint if hint is not None else _hint(a, gather, None)
     # Without scales the kernel reads none: any aligned pointer stands in.
@@ -388,6 +389,7 @@ def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride, h
     sizes = _int32(
         a.shape[0], a.shape[1], n_part, num_experts, b_stride, out.shape[0], out.shape[1],
         bias.shape[1] if bias is not None else 0, hint_pairs, hint_stride, int(scales is not None and a_scale.numel() > 1),
+        w_scale.numel() // num_experts if scales is not None else 1,
     )  # fmt: skip
     _launch(
         fn, a.device,
@@ -407,8 +409,9 @@ def _int32(*sizes: int) -> tuple[int, ...]:
 def _fp8_scales(a, w, a_scale, w_scale, out_dtype) -> tuple[torch.dtype, tuple | None]:
     """(the output dtype, (a_scale, w_scale) or None) of a call: with e4m3 operands (a and w both
     float8_e4m3fn) the kernels scale the products by a_scale (float32, one per row of a or one per-tensor
-    value) and w_scale (float32, one per expert; [E], [E, 1] or [E, 1, 1]) and write out_dtype (bf16 or
-    fp16); with 16-bit operands out_dtype is a's dtype and there are no scales."""
+    value) and w_scale (float32, one per expert: [E], [E, 1] or [E, 1, 1]; or one per weight row: [E, N]
+    or [E, N, 1]) and write out_dtype (bf16 or fp16); with 16-bit operands out_dtype is a's dtype and
+    there are no scales."""
     fp8 = a.dtype == FP8
     if not fp8:
         if a_scale is not None or w_scale is not None:
@@ -427,8 +430,12 @@ def _fp8_scales(a, w, a_scale, w_scale, out_dtype) -> tuple[torch.dtype, tuple |
             raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
     if a_scale.numel() not in (1, a.shape[0]):
         raise ValueError(f"a_scale: {a_scale.numel()} values for {a.shape[0]} rows of a; expected 1 (per-tensor) or one per row")
-    if w_scale.numel() != w.shape[0] or w_scale.dim() < 1 or w_scale.shape[0] != w.shape[0]:
-        raise ValueError(f"w_scale: shape {list(w_scale.shape)}; expected one scale per expert ([{w.shape[0]}], [{w.shape[0]}, 1] or [{w.shape[0]}, 1, 1])")
+    e, n = w.shape[0], w.shape[1]
+    if tuple(w_scale.shape) not in ((e,), (e, 1), (e, 1, 1), (e, n), (e, n, 1)):
+        raise ValueError(
+            f"w_scale: shape {list(w_scale.shape)}; expected one scale per expert ([{e}], [{e}, 1] or [{e}, 1, 1]) "
+            f"or one per weight row ([{e}, {n}] or [{e}, {n}, 1])"
+        )
     return out_dtype, (a_scale, w_scale)
 
 

@@ -104,10 +104,11 @@ GATED = ("silu", "gelu", "gelu_tanh", "swigluoai", "silu_clamped", "swiglu_softc
 # The parameters each kind reads in _gated; the others ignore alpha and limit.
 READS = {"swigluoai": ("alpha", "limit"), "silu_clamped": ("limit",), "swiglu_softcapped": ("alpha", "limit")}
 # Scales of quantized (fp8) operands, applied to the accumulators before anything else in the epilogue:
-# acc[r, n] *= a_scale[src(r) * a_scale_stride] * w_scale[e]. "row": one float32 per A row, read at
-# the tile's source rows (the token's for GEMM1, which gathers; the grouped row's for GEMM2); a stride of
-# 0 makes the same code read one per-tensor scale. "expert": one float32 per expert (a per-tensor
-# weight scale per expert). An fp8 kernel takes both; 16-bit operands neither.
+# acc[r, n] *= a_scale[src(r) * a_scale_stride] * w_scale[e, min(b(n), w_scale_cols - 1)], b(n) the B
+# (weight) row of accumulator column n. a_scale: one float32 per A row, read at the tile's source rows
+# (the token's for GEMM1, which gathers; the grouped row's for GEMM2), or with a stride of 0 one
+# per-tensor value. w_scale: [E, w_scale_cols] float32, one per weight row (per channel) or, with one
+# column, one per expert. One kernel for all four: the strides and columns are arguments.
 SCALES = ("none", "fp8")
 
 
@@ -338,7 +339,7 @@ class MoeGemmSm90:
         hint_ptr: cute.Pointer,  # (hint_pairs,) int32 expert ids, hint_stride apart (GEMM1 at M = 1)
         bias_ptr: cute.Pointer,  # (E, N) bias rows; read only with has_bias
         a_scale_ptr: cute.Pointer,  # float32 A scales, a_scale_stride apart (Epilogue.scales "fp8" only)
-        w_scale_ptr: cute.Pointer,  # (E,) float32 weight scales (Epilogue.scales "fp8" only)
+        w_scale_ptr: cute.Pointer,  # (E, w_scale_cols) float32 weight scales (Epilogue.scales "fp8" only)
         rows_a: Int32,
         k: Int32,
         n_part: Int32,
@@ -350,6 +351,7 @@ class MoeGemmSm90:
         hint_pairs: Int32,  # 0: no hint; else the token's k <= HINT_MAX_PAIRS expert ids (M = 1, gather only)
         hint_stride: Int32,  # elements between the ids (2: the low words of int64 ids)
         a_scale_stride: Int32,  # 1: one scale per A row; 0: one per-tensor scale
+        w_scale_cols: Int32,  # N: one scale per weight row; 1: one per expert
         stream: cuda.CUstream,
     ):
         # Shapes the kernel relies on (checked by the caller): K and the B/C rows are multiples of
@@ -378,7 +380,7 @@ class MoeGemmSm90:
         mHint = cute.make_tensor(hint_ptr, cute.make_layout((hint_pairs,), stride=(hint_stride,)))
         mBias = cute.make_tensor(bias_ptr, cute.make_layout((num_experts, bias_stride), stride=(bias_stride, 1)))
         mAScale = cute.make_tensor(a_scale_ptr, cute.make_layout((rows_a,), stride=(a_scale_stride,)))
-        mWScale = cute.make_tensor(w_scale_ptr, cute.make_layout((num_experts,)))
+        mWScale = cute.make_tensor(w_scale_ptr, cute.make_layout((num_experts, w_scale_cols), stride=(w_scale_cols, 1)))
         dtype = mA.element_type
         if const_expr(dtype.width != 8 * self.operand_bytes):
             raise TypeError(f"MoeGemmSm90 with Epilogue.scales {self.epi.scales!r} takes {8 * self.operand_bytes}-bit operands, got {dtype}")
@@ -907,17 +909,17 @@ class MoeGemmSm90:
                         # Before the next tile's hand-over overwrites the buffer.
                         cute.arch.barrier(barrier_id=1, number_of_threads=256)
                         if wg_idx == 1:
-                            self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left)
+                            self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile)
                             self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest, biases)
                     elif const_expr(self.defer):
-                        self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left)
+                        self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile)
                         for q in cutlass.range_constexpr(self._chunks()):
                             self._pack(acc0, acc1, tCcC, mBias, e, n_tile * self.out_n, n_out, packed, q, q + 1)
                         p_row0 = row0
                         p_rows_left = rows_left
                         p_col0 = n_tile * self.out_n
                     else:
-                        self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left)
+                        self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile)
                         self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest, biases)
                     tile += grid
                 else:
@@ -927,29 +929,55 @@ class MoeGemmSm90:
                     self._store_packed(packed, tCcC, mC, p_row0, p_rows_left, p_col0, n_out, sEpi, sDest, 0, self._chunks())
 
     @cute.jit
-    def _scale(self, acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left):
+    def _scale(self, acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile):
         """fp8 operands (Epilogue.scales, SCALES): multiply this thread's accumulators by the scale of
-        their A row times expert e's weight scale, before the bias and the activation. Rows past the
-        expert (never stored) read no scale. A non-swapped thread holds two rows (fragment element i's
-        row half (i // 2) % 2), so it loads two scales; a swapped one holds a few tokens' columns and
-        loads one per element."""
+        their A row times their weight row's scale, before the bias and the activation. Rows past the
+        expert (never stored) read no A scale. A non-swapped thread holds two rows (fragment element i's
+        row half (i // 2) % 2) and pairs of columns (elements 4b + v and 4b + 2 + v share column v of
+        block b), so it loads two A scales and one weight scale per column; a swapped one holds a few
+        tokens' columns of a few weight rows and loads per element."""
         if const_expr(self.epi.scales == "fp8"):
-            w = mWScale[e]
+            cols = mWScale.shape[1]
             if const_expr(self.swap):
                 for i in cutlass.range_constexpr(cute.size(acc0)):
-                    _, m = tCcC[i]
-                    f = self._row_scale(mAScale, mGather, row0, m, rows_left) * w
-                    acc0[i] = acc0[i] * f
+                    n, m = tCcC[i]
+                    a = self._row_scale(mAScale, mGather, row0, m, rows_left)
+                    acc0[i] = acc0[i] * (a * mWScale[e, self._w_row(n, 0, n_tile, cols)])
                     if const_expr(self.num_parts == 2):
-                        acc1[i] = acc1[i] * f
+                        acc1[i] = acc1[i] * (a * mWScale[e, self._w_row(n, 1, n_tile, cols)])
             else:
-                f0 = self._row_scale(mAScale, mGather, row0, tCcC[0][0], rows_left) * w
-                f1 = self._row_scale(mAScale, mGather, row0, tCcC[2][0], rows_left) * w
-                for i in cutlass.range_constexpr(cute.size(acc0)):
-                    f = f1 if (i // 2) % 2 == 1 else f0
-                    acc0[i] = acc0[i] * f
-                    if const_expr(self.num_parts == 2):
-                        acc1[i] = acc1[i] * f
+                frag = cute.shape(tCcC)
+                assert frag[0][0] == 2 and frag[0][1] == 2 and frag[1] == 1 and frag[2] == 1, frag
+                a = (
+                    self._row_scale(mAScale, mGather, row0, tCcC[0][0], rows_left),
+                    self._row_scale(mAScale, mGather, row0, tCcC[2][0], rows_left),
+                )
+                accs = (acc0, acc1)[: self.num_parts]
+                for p in cutlass.range_constexpr(self.num_parts):
+                    for b in cutlass.range_constexpr(cute.size(acc0) // 4):
+                        for v in cutlass.range_constexpr(2):
+                            w = mWScale[e, self._w_row(tCcC[4 * b + v][1], p, n_tile, cols)]
+                            for h in cutlass.range_constexpr(2):
+                                accs[p][4 * b + 2 * h + v] = accs[p][4 * b + 2 * h + v] * (a[h] * w)
+
+    @cute.jit
+    def _w_row(self, n, part, n_tile, cols) -> Int32:
+        """The weight row whose scale applies to tile row n of B part `part` (n_tile: the tile's index
+        along the output columns), clamped to cols - 1: with cols = 1 (one scale per expert) always 0,
+        and a partial last tile's rows past N (never stored) read the last scale. [gate; up] has its
+        up rows cols / 2 rows after the gate rows; the paired split-K view interleaves blocks of 8 gate
+        and 8 up rows (see __call__)."""
+        row = n_tile * self.part_n + n
+        if const_expr(self.paired):
+            col = n_tile * self.out_n + n % 8 + 8 * (n // 16)
+            up = (n // 8) % 2
+            if const_expr(self.epi.gate_layout == "concat"):
+                row = col + up * (cols // 2)
+            else:
+                row = 2 * col + up
+        elif const_expr(part == 1):
+            row = row + cols // 2
+        return cutlass.min(row, cols - 1)
 
     @cute.jit
     def _row_scale(self, mAScale, mGather, row0, m, rows_left) -> Float32:

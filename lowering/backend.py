@@ -121,7 +121,7 @@ def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
     if not ok or not quantized:
         return ok, why
     if _fp8(recipe):
-        return True, fp8_kernels.reason(recipe["a_group"]) + why
+        return True, fp8_kernels.reason(recipe["a_group"], recipe["w_group"]) + why
     too_big = dequant_kernels.why_not(which, recipe["num_experts"], n, k, dtype)
     if too_big is not None:
         return False, too_big

@@ -1,7 +1,10 @@
-"""fp8 schemes whose weights carry one scale per expert, on the kernels' fp8 WGMMA: no decoding.
+"""fp8 schemes whose scales are per tensor or per row, on the kernels' fp8 WGMMA: no decoding.
 
-    GEMM1: h = act((q1 @ w13_q[e].T) * a13_scale(token) * w13_scale[e] + bias)     q1 = quantize(x)
-    GEMM2: y = (q2 @ w2_q[e].T) * a2_scale(row) * w2_scale[e] + bias               q2 = quantize(h)
+    GEMM1: h = act((q1 @ w13_q[e].T) * a13_scale(token) * w13_scale[e](n) + bias)     q1 = quantize(x)
+    GEMM2: y = (q2 @ w2_q[e].T) * a2_scale(row) * w2_scale[e](n) + bias               q2 = quantize(h)
+
+(fp8_w8a8_per_tensor: one weight scale per expert, one activation scale per tensor; fp8_w8a8_per_token:
+one per weight row n and one per token / grouped row.)
 
 The kernels (cute_kernels.interface with float8_e4m3fn operands) multiply the e4m3 codes on the tensor
 cores and scale each accumulator before the bias and the activation, so every call reads the weights'
@@ -19,12 +22,14 @@ import torch
 
 from .quant.quantize import quantize
 
-# The schemes served: fp8 weights with one scale per expert (GroupShape kind "per-tensor"), activations
-# in fp8 with a per-tensor or per-row scale (their group as the op chain gives it).
-WEIGHT_GROUPS = ((-1, -1),)
+# The schemes served: fp8 weights with one scale per expert or per row (GroupShape kinds "per-tensor",
+# "per-row"), activations in fp8 with a per-tensor or per-row scale (their group as the op chain gives
+# it). Block scales (128x128 weights, 1x128 activations) change along K: they would scale each k-tile's
+# products inside the main loop, which the kernels do not (dequant_kernels.py decodes them).
+WEIGHT_GROUPS = ((-1, -1), (1, -1))
 ACTIVATION_GROUPS = ((-1, -1), (1, -1))
 
-REASON = "fp8 codes multiplied by the kernels' fp8 WGMMA, scaled per expert and per {a} in the epilogue; "
+REASON = "fp8 codes multiplied by the kernels' fp8 WGMMA, scaled per {w} and per {a} in the epilogue; "
 
 
 def serves(a_dtype: str, a_group, w_dtype: str, w_group) -> bool:
@@ -34,8 +39,8 @@ def serves(a_dtype: str, a_group, w_dtype: str, w_group) -> bool:
     )
 
 
-def reason(a_group) -> str:
-    return REASON.format(a="token" if tuple(a_group) == (1, -1) else "tensor")
+def reason(a_group, w_group) -> str:
+    return REASON.format(a="token" if tuple(a_group) == (1, -1) else "tensor", w="channel" if tuple(w_group) == (1, -1) else "expert")
 
 
 def gate_up(

@@ -51,22 +51,26 @@ def _gemm64(a, w, offsets, rows):
 
 
 CASES = [
-    # (activation, layout, bias, per-row activation scales)
-    ("silu", "concat", False, True),
-    ("swigluoai", "interleaved", True, False),
-    ("relu2", "none", False, True),
+    # (activation, layout, bias, per-row activation scales, per-channel weight scales)
+    ("silu", "concat", False, True, False),
+    ("silu", "concat", True, True, True),
+    ("swigluoai", "interleaved", True, False, False),
+    ("swigluoai", "interleaved", False, True, True),
+    ("relu2", "none", False, True, True),
 ]
 
 
-@pytest.mark.parametrize("activation,layout,bias,per_row", CASES)
-def test_every_tile_shape(interface, activation, layout, bias, per_row):
-    """GEMM1 (gathered codes, scales per token or per tensor, per expert) and GEMM2 (grouped rows, scales per
-    row) with every tile shape choose_tiles can pick, ragged experts, H and I that leave the last fp8
-    k-tile half full."""
+@pytest.mark.parametrize("activation,layout,bias,per_row,per_channel", CASES)
+def test_every_tile_shape(interface, activation, layout, bias, per_row, per_channel):
+    """GEMM1 (gathered codes, scales per token or per tensor, per weight row or per expert) and GEMM2
+    (grouped rows, scales per row; per weight row or per expert) with every tile shape choose_tiles can
+    pick, ragged experts, H and I that leave the last fp8 k-tile half full. Per-channel scales check
+    each tile kind's map from accumulator to weight row ([gate; up] parts, interleaved pairs, the
+    paired split-K rows)."""
     m, e, k, h, i = 200, 16, 3, 576, 320
     n = i if layout == "none" else 2 * i
-    w13, s13 = _codes((e, n, h), (e, 1, 1))
-    w2, s2 = _codes((e, h, i), (e,))
+    w13, s13 = _codes((e, n, h), (e, n, 1) if per_channel else (e, 1, 1))
+    w2, s2 = _codes((e, h, i), (e, h) if per_channel else (e,))
     x, xs = _codes((m, h), (m, 1) if per_row else (1,))
     b13 = torch.randn(e, n, device="cuda") if bias else None
     b2 = torch.randn(e, h, device="cuda", dtype=torch.bfloat16) if bias else None
@@ -79,7 +83,7 @@ def test_every_tile_shape(interface, activation, layout, bias, per_row):
     want_h = _activation64(pre, activation, layout)
     # GEMM2's input: codes with one scale per grouped row.
     a2, a2s = _codes((gather.shape[0], i), (gather.shape[0], 1))
-    y = _gemm64(_values(a2, a2s), _values(w2, s2.view(e, 1, 1)), offsets, torch.arange(gather.shape[0], device="cuda"))
+    y = _gemm64(_values(a2, a2s), _values(w2, s2.view(e, -1, 1)), offsets, torch.arange(gather.shape[0], device="cuda"))
     if bias:
         y += _pre_bias(b2, offsets, h)
     want_out = _token_sum64(y, tw, inverse)

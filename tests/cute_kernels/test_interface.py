@@ -296,7 +296,7 @@ def test_sizes_past_int32_are_refused_before_launching(monkeypatch):
     hint = (gather, 0, 1)
     interface._launch_gemm(None, torch.empty(8, 64, **meta), (w, w), torch.empty(8, 64, **meta), offsets, gather, None, 64, 64 * 64, hint)
     # The pointers (a, both weight parts, out, offsets, gather, hint, bias, two scales), then the sizes.
-    assert len(launched) == 1 and launched[0][10:] == (8, 64, 64, 4, 4096, 8, 64, 0, 0, 1, 0)
+    assert len(launched) == 1 and launched[0][10:] == (8, 64, 64, 4, 4096, 8, 64, 0, 0, 1, 0, 1)
     for rows, stride in ((2**31, 64 * 64), (8, 2**31)):
         with pytest.raises(ValueError, match=r"sizes \[.*\]: the kernels take sizes and strides \(in elements\) below 2\*\*31"):
             interface._launch_gemm(None, torch.empty(rows, 64, **meta), (w, w), torch.empty(8, 64, **meta), offsets, gather, None, 64, stride, hint)

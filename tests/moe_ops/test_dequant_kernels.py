@@ -54,9 +54,11 @@ class ReferenceKernels:
         if a.dtype != torch.float8_e4m3fn:
             assert a_scale is None and w_scale is None and out_dtype in (None, a.dtype)
             return a, None, "none", [-1, -1], w, None, "none", [-1, -1], a.dtype
-        assert a_scale.dtype == w_scale.dtype == torch.float32 and w_scale.numel() == w.shape[0]
+        assert a_scale.dtype == w_scale.dtype == torch.float32 and w_scale.numel() in (w.shape[0], w.shape[0] * w.shape[1])
         a_group = [1, -1] if a_scale.numel() > 1 else [-1, -1]
-        return a, a_scale.reshape(-1, 1), "fp8", a_group, w, w_scale.reshape(-1, 1, 1), "fp8", [-1, -1], out_dtype
+        w_group = [1, -1] if w_scale.numel() > w.shape[0] else [-1, -1]
+        ws = w_scale.reshape(w.shape[0], -1, 1)
+        return a, a_scale.reshape(-1, 1), "fp8", a_group, w, ws, "fp8", w_group, out_dtype
 
     def gate_up(self, x, w, bias, offsets, gather, *, activation, alpha, limit, gate_layout, out=None, expert_ids=None,
                 a_scale=None, w_scale=None, out_dtype=None):  # fmt: skip

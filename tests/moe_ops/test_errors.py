@@ -475,7 +475,7 @@ def test_cute_support_reasons(case):
 
 def test_support_table_rows():
     """One row per scheme: the reference serves every scheme on CPU and CUDA; the CuTe DSL kernels
-    (bf16, sm_90) every scheme: fp8_w8a8_per_tensor on its fp8 codes (fp8_kernels.py), the other
+    (bf16, sm_90) every scheme: fp8_w8a8_per_tensor and _per_token on their fp8 codes (fp8_kernels.py), the other
     quantized ones on weights decoded per call (dequant_kernels.py), which the cell says. The table's
     fp8 schemes are the ones fp8_kernels serves."""
     from moe_ops import fp8_kernels
@@ -485,7 +485,8 @@ def test_support_table_rows():
     for row in rows:
         scheme, ref_cpu, ref_cuda, cute = (c.strip() for c in row.strip("| ").split(" | "))
         assert ref_cpu == ref_cuda == "yes", row
-        want = "yes" if scheme == "unquantized" else "yes, fp8 codes" if scheme == "fp8_w8a8_per_tensor" else "yes, decoded per call"
+        fp8 = scheme in ("fp8_w8a8_per_tensor", "fp8_w8a8_per_token")
+        want = "yes" if scheme == "unquantized" else "yes, fp8 codes" if fp8 else "yes, decoded per call"
         assert cute == want, row
         assert BACKENDS.cute_support(scheme, "cuda", torch.float32, capability=(9, 0)).supported is False
     for name, (acts, weights) in quant.SCHEMES.items():
