@@ -301,3 +301,69 @@ def test_sizes_past_int32_are_refused_before_launching(monkeypatch):
         with pytest.raises(ValueError, match=r"sizes \[.*\]: the kernels take sizes and strides \(in elements\) below 2\*\*31"):
             interface._launch_gemm(None, torch.empty(rows, 64, **meta), (w, w), torch.empty(8, 64, **meta), offsets, gather, None, 64, stride, hint)
     assert len(launched) == 1
+
+
+def _fp8_args(op: str) -> dict:
+    """_direct_args with fp8 codes for a and w, and float32 scales (per row, per weight row)."""
+    args = _direct_args(op)
+    a = "x" if op == "gate_up" else "a"
+    for name in (a, "w"):
+        args[name] = args[name].to(torch.float8_e4m3fn)
+    return args, dict(a_scale=torch.rand(args[a].shape[0], 1) + 0.1, w_scale=torch.rand(*args["w"].shape[:2], 1) + 0.1,
+                      out_dtype=torch.bfloat16)  # fmt: skip
+
+
+# name -> (op, scale keywords to replace or, with "w"/"x"/"a", an operand; the error)
+BAD_FP8_CALLS = {
+    "no_a_scale": ("gate_up", dict(a_scale=None), (ValueError, r"a_scale: required with torch.float8_e4m3fn operands")),
+    "no_w_scale": ("down_reduce", dict(w_scale=None), (ValueError, r"w_scale: required")),
+    "a_scale_rows": ("gate_up", dict(a_scale=torch.ones(3, 1)), (ValueError, r"a_scale: 3 values for 4 rows of a; expected 1 \(per-tensor\) or one per row")),
+    "w_scale_shape": ("gate_up", dict(w_scale=torch.ones(4, 2)), (ValueError, r"w_scale: shape \[4, 2\]; expected one scale per expert")),
+    "w_scale_bf16": ("down_reduce", dict(w_scale=torch.ones(4, dtype=torch.bfloat16)), (TypeError, r"w_scale: dtype torch.bfloat16")),
+    "out_float32": ("gate_up", dict(out_dtype=torch.float32), (ValueError, r"out_dtype: got torch.float32; with torch.float8_e4m3fn operands")),
+    "w_bf16": ("gate_up", dict(w=True), (TypeError, r"w: dtype torch.bfloat16; with a in torch.float8_e4m3fn the kernels take w in")),
+    "scales_on_bf16": ("down_reduce", dict(a=True), (ValueError, r"a_scale, w_scale: scales are for float8_e4m3fn operands; a is torch.bfloat16")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_FP8_CALLS))
+def test_fp8_calls_reject_bad_scales(case):
+    """fp8 operands take float32 scales (per row or per tensor for a, per weight row or per expert for w)
+    and write bf16/fp16: a missing or misshapen scale, another output dtype, or fp8 a beside 16-bit w is
+    refused by name before anything compiles; the good call passes every check (and needs a GPU)."""
+    op, change, (error, message) = BAD_FP8_CALLS[case]
+    args, scales = _fp8_args(op)
+    for name in ("w", "x", "a"):
+        if change.pop(name, False):  # that operand back in bf16
+            args[name] = args[name].to(torch.bfloat16)
+    with pytest.raises(error, match=message):
+        _call(op, args, **{**scales, **change})
+    args, scales = _fp8_args(op)
+    with pytest.raises(ValueError, match=r"the kernels do not serve this call: cpu"):
+        _call(op, args, **scales)
+
+
+def test_fp8_launch_passes_the_scales(launches):
+    """An fp8 gate_up compiles the scaled variant with bf16 outputs and launches with the scales."""
+    args, scales = _fp8_args("gate_up")
+    out = _call("gate_up", args, **scales)
+    assert out.dtype == torch.bfloat16
+    ((epi, gather, dtype, *_), _), = launches["gemm"]
+    assert epi.scales == "fp8" and gather and dtype == torch.bfloat16
+    launched_scales = launches["launch"][0][10]
+    assert launched_scales[0] is scales["a_scale"] and launched_scales[1] is scales["w_scale"]
+
+
+@pytest.mark.parametrize("a_rows, w_cols", [(8, 64), (1, 1), (8, 1), (1, 64)])
+def test_fp8_scale_strides(monkeypatch, a_rows, w_cols):
+    """The kernel reads the activation scales with a row stride of 1 (one per row) or 0 (one per tensor)
+    and the weight scales as [E, 1] (one per expert) or [E, N] (one per row): the last two sizes."""
+    launched = []
+    monkeypatch.setattr(interface, "_launch", lambda fn, device, *args: launched.append(args))
+    meta = dict(device="meta", dtype=torch.float8_e4m3fn)
+    w = torch.empty(4, 64, 64, **meta)
+    offsets, gather = torch.empty(5, dtype=torch.int32, device="meta"), torch.empty(8, dtype=torch.int32, device="meta")
+    scales = (torch.empty(a_rows, 1, device="meta"), torch.empty(4, w_cols, 1, device="meta"))
+    out = torch.empty(8, 64, device="meta", dtype=torch.bfloat16)
+    interface._launch_gemm(None, torch.empty(8, 64, **meta), (w, w), out, offsets, gather, None, 64, 64 * 64, (gather, 0, 1), scales)
+    assert launched[0][-2:] == (int(a_rows > 1), w_cols)

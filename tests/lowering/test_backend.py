@@ -238,6 +238,40 @@ def test_weight_only_quantization_runs_on_decoded_weights(op, monkeypatch):
     assert (plain.backend, plain.kernel) == ("cute", backend._KERNELS[op, False])
 
 
+def _fp8_args(op: str, w_group, a_group) -> dict:
+    """The op's meta arguments with fp8 weights and activations (GEMM2's input: fp8 codes, out_dtype bf16)."""
+    args = _meta_args(op)
+    fp8 = dict(dtype=torch.float8_e4m3fn, device="meta")
+    args.update(w=torch.empty(args["w"].shape, **fp8), w_dtype="fp8", w_group=list(w_group), a_dtype="fp8", a_group=list(a_group))
+    if op == "down_reduce":
+        args.update(a=torch.empty(args["a"].shape, **fp8))
+    return args
+
+
+@pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
+@pytest.mark.parametrize(
+    "w_group, a_group, label",
+    [((-1, -1), (-1, -1), "cute+fp8"), ((1, -1), (1, -1), "cute+fp8"), ((128, 128), (1, 128), "cute+dequant")],
+)
+def test_fp8_with_row_or_tensor_scales_runs_on_the_codes(op, w_group, a_group, label, monkeypatch):
+    """fp8 per-tensor and per-token recipes (fp8_kernels.serves) run on the fp8 codes, and the choice says
+    so by its label and reason (per expert or channel, per tensor or token); block scales, which change
+    along K, are decoded. Neither allocates a decoded weight in the fp8 case: MAX_BYTES does not apply."""
+    from cute_kernels import interface
+    from lowering import backend
+    from moe_ops import dequant_kernels
+
+    monkeypatch.setattr(interface, "device_support", lambda device: (True, "sm_90"))
+    monkeypatch.setattr(dequant_kernels, "MAX_BYTES", 1)
+    choice = backend._choose(op, getattr(backend, f"{op}_recipe")(_fp8_args(op, w_group, a_group)), torch.device("cuda"))
+    if label == "cute+fp8":
+        assert (choice.backend, choice.kernel) == (label, backend._KERNELS[op, True]), choice
+        w, a = ("channel" if w_group == (1, -1) else "expert"), ("token" if a_group == (1, -1) else "tensor")
+        assert choice.reason.startswith(f"fp8 codes multiplied by the kernels' fp8 WGMMA, scaled per {w} and per {a}"), choice.reason
+    else:
+        assert choice.backend == "reference" and "dequantizing path allocates at most" in choice.reason, choice
+
+
 @pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
 def test_decoded_weights_over_the_bound_are_declined(op, monkeypatch):
     """The dequantizing path allocates the decoded [E, N, K] weight; one larger than MAX_BYTES (an

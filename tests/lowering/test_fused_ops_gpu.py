@@ -17,7 +17,7 @@ from .cases import on
 from .test_pass import E, build_layer, opcheck
 
 pytestmark = pytest.mark.gpu
-KERNEL_RECIPES = ["bf16", "gpt_oss_bf16", "fp16_bias"]
+KERNEL_RECIPES = ["bf16", "gpt_oss_bf16", "fp16_bias", "fp8_per_token_bf16"]
 
 
 @pytest.fixture(autouse=True)
@@ -42,13 +42,17 @@ def test_kernel_ops_opcheck_and_float64(recipe, m):
         dr = on([inter, *dr[1:]], "cuda")
         opcheck(down_reduce, dr)
         out = down_reduce(*dr)
-    w13 = decode_weight(c["q13"], None)
-    w2 = decode_weight(c["q2"], None)
+    t13, t2, wq, aq = c["t13"], c["t2"], c["scheme"].weight, c["scheme"].activation
+    w13 = decode_weight(c["q13"], wq, t13["w_scale"], t13["w_global_scale"], t13["w_zero"])
+    w2 = decode_weight(c["q2"], wq, t2["w_scale"], t2["w_global_scale"], t2["w_zero"])
     config = c["config"]
+    # Quantized activations: the reference re-applies their quantization (as test_pass.py's check does).
+    act_quant = None if aq is None else (aq.dtype, aq.group.astuple(), t13["a_scale"], t2["a_scale"], None, None)
     ref = moe_float64(c["x"], w13, w2, c["topk_weights"], c["topk_ids"], activation=c["act"],
-                      w13_bias=config.w13_bias, w2_bias=config.w2_bias)  # fmt: skip
+                      w13_bias=config.w13_bias, w2_bias=config.w2_bias, act_quant=act_quant)  # fmt: skip
     err = relative_error(out.cpu(), ref)
-    assert err <= tolerance(c["dtype"]), f"relative error {err} against moe_float64"
+    tol = tolerance(c["dtype"], None if aq is None else aq.dtype, fake_quant=aq is not None)
+    assert err <= tol, f"relative error {err} against moe_float64"
 
 
 def test_router_weights_off_a_16_byte_boundary_run_the_reference(monkeypatch):

@@ -994,6 +994,13 @@ RECIPES = {
     # gate_up's fake impl halving it for relu2 too, every other test passed and every relu2 layer
     # failed to compile under the lowering.
     "relu2": (torch.float32, Q.UNQUANTIZED, moe_ops.Activation("relu2"), False, False),
+    # fp8 per token with per-channel weights and biases, in bf16: on sm_90 the kernels multiply its codes
+    # (moe_ops/fp8_kernels.py); test_fused_ops_gpu.py checks it there.
+    "fp8_per_token_bf16": (
+        torch.bfloat16,
+        Q.QuantScheme(Q.ActivationQuant("fp8", Q.PER_TOKEN), Q.WeightQuant("fp8", Q.PER_CHANNEL)),
+        moe_ops.Activation("silu"), True, False,
+    ),
     "relu2_fp8_block": (
         torch.float32,
         Q.QuantScheme(Q.ActivationQuant("fp8", Q.GroupShape(1, 128)), Q.WeightQuant("fp8", Q.GroupShape(128, 128))),
