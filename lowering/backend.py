@@ -130,7 +130,7 @@ def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
 
 def _fp8(recipe: dict) -> bool:
     """Whether a quantized recipe runs on the kernels' fp8 WGMMA (fp8_kernels.py) rather than decoded."""
-    return fp8_kernels.serves(recipe["a_dtype"], recipe["a_group"], recipe["w_dtype"], recipe["w_group"])
+    return fp8_kernels.serves(recipe["a_dtype"], recipe["a_group"], recipe["w_dtype"], recipe["w_group"], recipe["compute_dtype"])
 
 
 def _choose(op: str, recipe: dict, device: torch.device, tensors: dict | None = None) -> Choice:
@@ -217,7 +217,8 @@ _POINTERS = {
 
 def _pointers(op: str, args: dict) -> dict:
     names = _POINTERS[op]
-    if fp8_kernels.serves(args["a_dtype"], args["a_group"], args["w_dtype"], args["w_group"]):
+    dtype = args["x"].dtype if op == "gate_up" else args["out_dtype"]
+    if fp8_kernels.serves(args["a_dtype"], args["a_group"], args["w_dtype"], args["w_group"], dtype):
         names += ("a_scale", "w_scale")  # read by the fp8 kernels' epilogue; the decoder has no such need
     return {name: args.get(name) for name in names}
 

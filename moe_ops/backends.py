@@ -76,7 +76,7 @@ def cute_support(scheme: str, device: torch.device | str, dtype: torch.dtype = t
         return Support("cute", scheme, label, False, f"the kernels use Hopper's wgmma and TMA (sm_90), device is {capability}")
     if dtype not in CUTE_DTYPES:
         return Support("cute", scheme, label, False, f"activations in {dtype}; the kernels take {CUTE_DTYPES}")
-    if scheme in CUTE_FP8_SCHEMES:
+    if scheme in CUTE_FP8_SCHEMES and dtype == torch.bfloat16:  # fp8_kernels.DTYPES
         return Support("cute", scheme, label, True, CUTE_FP8)
     if scheme != "unquantized":
         return Support("cute", scheme, label, True, CUTE_DECODED)

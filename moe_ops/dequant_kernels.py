@@ -109,7 +109,7 @@ def gate_up(
     kernel, the intermediate [P, I] quantized as out_quant_dtype says. Returns (intermediate, scale) as the
     op does. The schemes fp8_kernels serves run there, on the codes, with expert_ids as the kernels'
     hint; here expert_ids is not read (the kernel's hint indexes E experts, not slots)."""
-    if fp8_kernels.serves(a_dtype, a_group, w_dtype, w_group):
+    if fp8_kernels.serves(a_dtype, a_group, w_dtype, w_group, x.dtype):
         return fp8_kernels.gate_up(
             interface, x=x, a_scale=a_scale, a_dtype=a_dtype, a_group=a_group, w=w, w_scale=w_scale, bias=bias,
             expert_offsets=expert_offsets, gather_idx=gather_idx, activation=activation, alpha=alpha, limit=limit,
@@ -145,7 +145,7 @@ def down_reduce(
     (dequantized_experts), GEMM2 + [norm] + router weight + token sum in the kernels. [M, H] in out_dtype.
     weights_early is not used: the kernel before GEMM2 is now the decoding that writes its weights (or,
     for the schemes fp8_kernels serves, the intermediate's quantizer)."""
-    if fp8_kernels.serves(a_dtype, a_group, w_dtype, w_group):
+    if fp8_kernels.serves(a_dtype, a_group, w_dtype, w_group, out_dtype):
         return fp8_kernels.down_reduce(
             interface, a=a, a_scale=a_scale, w=w, w_scale=w_scale, bias=bias, expert_offsets=expert_offsets,
             topk_weights=topk_weights, inverse=inverse, out_dtype=out_dtype, norm_weight=norm_weight, norm_eps=norm_eps,

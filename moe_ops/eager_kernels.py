@@ -111,7 +111,7 @@ def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_
     ):
         if not ok:
             return interface, why
-    if quantized and not fp8_kernels.serves(*op_args(scheme.activation), *op_args(scheme.weight)):
+    if quantized and not fp8_kernels.serves(*op_args(scheme.activation), *op_args(scheme.weight), x.dtype):
         for which, n, k in (("w13", n13, hidden), ("w2", hidden, intermediate)):
             too_big = dequant_kernels.why_not(which, num_experts, n, k, x.dtype)
             if too_big is not None:

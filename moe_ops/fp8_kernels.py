@@ -32,11 +32,18 @@ ACTIVATION_GROUPS = ((-1, -1), (1, -1))
 REASON = "fp8 codes multiplied by the kernels' fp8 WGMMA, scaled per {w} and per {a} in the epilogue; "
 
 
-def serves(a_dtype: str, a_group, w_dtype: str, w_group) -> bool:
-    """Whether a quantized GEMM with these formats runs here (else dequant_kernels decodes it)."""
+# The outputs' (the layer's activations') dtype: the fp8 kernel variants that CI compiles and checks
+# (cute_kernels.interface.variants(..., scales="fp8")) write bf16.
+DTYPES = (torch.bfloat16,)
+
+
+def serves(a_dtype: str, a_group, w_dtype: str, w_group, dtype: torch.dtype) -> bool:
+    """Whether a quantized GEMM with these formats, its outputs in dtype, runs here (else dequant_kernels
+    decodes it)."""
     return (
         a_dtype == "fp8" and tuple(a_group) in ACTIVATION_GROUPS and w_dtype == "fp8" and tuple(w_group) in WEIGHT_GROUPS
-    )
+        and dtype in DTYPES
+    )  # fmt: skip
 
 
 def reason(a_group, w_group) -> str:

@@ -321,6 +321,7 @@ BAD_FP8_CALLS = {
     "w_scale_shape": ("gate_up", dict(w_scale=torch.ones(4, 2)), (ValueError, r"w_scale: shape \[4, 2\]; expected one scale per expert")),
     "w_scale_bf16": ("down_reduce", dict(w_scale=torch.ones(4, dtype=torch.bfloat16)), (TypeError, r"w_scale: dtype torch.bfloat16")),
     "out_float32": ("gate_up", dict(out_dtype=torch.float32), (ValueError, r"out_dtype: got torch.float32; with torch.float8_e4m3fn operands")),
+    "out_float16": ("down_reduce", dict(out_dtype=torch.float16), (ValueError, r"out_dtype: got torch.float16; .* write torch.bfloat16")),
     "w_bf16": ("gate_up", dict(w=True), (TypeError, r"w: dtype torch.bfloat16; with a in torch.float8_e4m3fn the kernels take w in")),
     "scales_on_bf16": ("down_reduce", dict(a=True), (ValueError, r"a_scale, w_scale: scales are for float8_e4m3fn operands; a is torch.bfloat16")),
 }  # fmt: skip

@@ -273,6 +273,25 @@ def test_fp8_with_row_or_tensor_scales_runs_on_the_codes(op, w_group, a_group, l
 
 
 @pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
+def test_fp8_with_fp16_activations_is_decoded(op, monkeypatch):
+    """The fp8 kernel variants CI compiles write bf16 (fp8_kernels.DTYPES): an fp16 layer of an fp8
+    per-token recipe runs decoded (the fp16 kernels), and says so."""
+    from cute_kernels import interface
+    from lowering import backend
+
+    monkeypatch.setattr(interface, "device_support", lambda device: (True, "sm_90"))
+    args = _fp8_args(op, (1, -1), (1, -1))
+    half = dict(dtype=torch.float16, device="meta")
+    args.update(out_dtype=torch.float16, bias=torch.empty(args["bias"].shape, **half))
+    if op == "gate_up":
+        args.update(x=torch.empty(args["x"].shape, **half))
+    else:
+        args.update(norm_weight=torch.empty(args["norm_weight"].shape, **half))
+    choice = backend._choose(op, getattr(backend, f"{op}_recipe")(args), torch.device("cuda"))
+    assert choice.backend == "cute+dequant" and choice.reason.startswith("weights dequantized to torch.float16"), choice
+
+
+@pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
 def test_decoded_weights_over_the_bound_are_declined(op, monkeypatch):
     """The dequantizing path allocates the decoded [E, N, K] weight; one larger than MAX_BYTES (an
     unsharded DeepSeek-V3's 14 GiB) gets the reference, with the size and the remedy in the reason."""

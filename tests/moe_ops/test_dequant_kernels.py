@@ -167,7 +167,7 @@ def test_compositions_match_the_op_chain(case, m, dtype, mapped):
         kernels, x, q13, q2, tw, Activation(), config.w13_bias, config.w2_bias, None, config, offsets, gather_idx, inverse, None
     )
     # The fp8 kernels multiply every local expert's codes; the decoding path hands them its slots.
-    fp8 = fp8_kernels.serves(*op_args(scheme.activation), *op_args(scheme.weight))
+    fp8 = fp8_kernels.serves(*op_args(scheme.activation), *op_args(scheme.weight), dtype)
     experts = q13.shape[0] if fp8 else min(ids.numel(), q13.shape[0])
     assert kernels.calls == [("gate_up", experts), ("down_reduce", experts)]
     a_dtype = None if scheme.activation is None else scheme.activation.dtype

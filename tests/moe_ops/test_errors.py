@@ -491,7 +491,7 @@ def test_support_table_rows():
         assert BACKENDS.cute_support(scheme, "cuda", torch.float32, capability=(9, 0)).supported is False
     for name, (acts, weights) in quant.SCHEMES.items():
         keys = [(a, w) for a in acts for w in weights if a and w]
-        served = [fp8_kernels.serves(a[0], (-1, -1) if a[1] == "per-tensor" else (1, -1), w[0], (-1, -1) if w[1] == "per-tensor" else (1, -1))
+        served = [fp8_kernels.serves(a[0], (-1, -1) if a[1] == "per-tensor" else (1, -1), w[0], (-1, -1) if w[1] == "per-tensor" else (1, -1), torch.bfloat16)
                   for a, w in keys if {a[1], w[1]} <= {"per-tensor", "per-row"}]  # fmt: skip
         assert (name in BACKENDS.CUTE_FP8_SCHEMES) == (bool(served) and all(served)), name
         assert BACKENDS.cute_support(scheme, "cuda", torch.float32, capability=(9, 0)).supported is False
