@@ -141,14 +141,16 @@ def test_cuda_graphs_per_layer_over_two_gpus():
 QUANT_SCHEMES = {
     "fp8_w8a8_block": ("fp8", (1, 128), "fp8", (128, 128)),
     "mxfp4_w4a16": (None, None, "mxfp4", (1, 32)),
+    # On the fp8 codes (fp8_kernels.py): the per-tensor amax, the quantizing and the fp8 kernels.
+    "fp8_w8a8_per_tensor": ("fp8", (-1, -1), "fp8", (-1, -1)),
 }
 
 
 @pytest.mark.parametrize("scheme", list(QUANT_SCHEMES))
 def test_quantized_layer_on_the_other_gpu(scheme):
     """A quantized FusedMoE on cuda:1 with cuda:0 current: the dequantizing path's Triton launches (the
-    activations' quantizing, the slots, the decoding) and the kernels all run on cuda:1, and the output
-    equals the same layer's on cuda:1 made current."""
+    activations' quantizing, the slots, the decoding), the fp8 path's (the per-tensor amax) and the
+    kernels all run on cuda:1, and the output equals the same layer's on cuda:1 made current."""
     from moe_ops.quant import ActivationQuant, GroupShape, QuantScheme, WeightQuant
 
     a_dtype, a_group, w_dtype, w_group = QUANT_SCHEMES[scheme]
