@@ -12,6 +12,8 @@ down_reduce(a [P, I], w [E, H, I], bias [E, H] | None, offsets, topk_weights [M,
     GEMM2 over the grouped rows into a [P, H] scratch in grouped-row order; then the deterministic
     per-token sum of the router-weighted rows (token_sum.py), or with norm_weight, of the rows each
     normalized first (norm_token_sum.py).
+Both take fp8 operands too: a (x) and w in float8_e4m3fn with float32 a_scale (per row or per tensor)
+and w_scale (per weight row or per expert), applied to the accumulators; out_dtype bf16 (_fp8_scales).
 """
 from __future__ import annotations
 
@@ -510,6 +512,9 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None
     _check_tensors(topk_weights=(topk_weights, (None, None), (torch.float32,)))
     m, k = topk_weights.shape
     dtype, scales = _fp8_scales(a, w, a_scale, w_scale, out_dtype)
+    if scales is not None and weights_early:
+        # Not among variants(..., scales="fp8"): the fp8 path's GEMM2 follows the intermediate's quantizer.
+        raise ValueError("weights_early: fp8 operands take weights_early=False")
     _check_support(down_reduce_support(
         dtype=dtype, weight_dtype=w.dtype, has_bias=bias is not None, hidden=hidden, intermediate=inter,
         num_experts=num_experts, weight_row_major=w.stride(2) == 1,

@@ -51,6 +51,11 @@ offsets, and a wrong guess (stale or duplicate ids) costs only the prefetched by
 L2: a 64-row kernel loads the weights of an expert with one m-tile as evict-first (read once, they
 would only push the rows and outputs that are read again out of L2); see _weight_policy.
 
+fp8 operands (Epilogue.scales "fp8", the quantized path's fp8 schemes): A and B in e4m3 with 128-element
+k-tiles (the same 128-byte rows as 16-bit operands' 64), WGMMA m64nNk32 into the same fp32
+accumulators, which the epilogue first multiplies by their A row's scale and their weight row's (per
+row or per tensor, per channel or per expert: SCALES, MoeGemmSm90._scale).
+
 B parts: a gated activation with w13 = [gate; up] loads the gate rows and the up rows of the same
 output columns as two parts with two accumulators, so the epilogue combines act(gate) * up within
 each thread; interleaved gate/up (gpt-oss) is one part whose adjacent columns pair up in the same

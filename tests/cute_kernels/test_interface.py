@@ -323,6 +323,7 @@ BAD_FP8_CALLS = {
     "out_float32": ("gate_up", dict(out_dtype=torch.float32), (ValueError, r"out_dtype: got torch.float32; with torch.float8_e4m3fn operands")),
     "out_float16": ("down_reduce", dict(out_dtype=torch.float16), (ValueError, r"out_dtype: got torch.float16; .* write torch.bfloat16")),
     "w_bf16": ("gate_up", dict(w=True), (TypeError, r"w: dtype torch.bfloat16; with a in torch.float8_e4m3fn the kernels take w in")),
+    "fp8_weights_early": ("down_reduce", dict(weights_early=True), (ValueError, r"weights_early: fp8 operands take weights_early=False")),
     "scales_on_bf16": ("down_reduce", dict(a=True), (ValueError, r"a_scale, w_scale: scales are for float8_e4m3fn operands; a is torch.bfloat16")),
 }  # fmt: skip
 
