@@ -26,7 +26,7 @@ from . import compile as cc  # noqa: F401  (sets the target architecture first)
 import cutlass  # noqa: E402
 from cutlass import Int32  # noqa: E402
 
-from .moe_gemm import GATED, HINT_MAX_PAIRS, MAX_EXPERTS, Epilogue, MoeGemmSm90  # noqa: E402
+from .moe_gemm import GATED, HINT_MAX_PAIRS, MAX_EXPERTS, SCALE_BLOCK, Epilogue, MoeGemmSm90  # noqa: E402
 from .norm_token_sum import MAX_H as NORM_MAX_H, NormTokenSumSm90  # noqa: E402
 from .token_sum import TokenSumSm90  # noqa: E402
 
@@ -315,7 +315,7 @@ def gemm_compile_args(dtype, bias_dtype, fp8: bool = False) -> tuple:
     od, bd, i32, f32 = _CUTLASS_DTYPE[dtype], _CUTLASS_DTYPE[bias_dtype], cutlass.Int32, cutlass.Float32
     ad = _CUTLASS_DTYPE[FP8] if fp8 else od
     ptrs = (*[cc.fake_ptr(ad)] * 3, cc.fake_ptr(od), *[cc.fake_ptr(i32)] * 3, cc.fake_ptr(bd), *[cc.fake_ptr(f32)] * 2)
-    return (*ptrs, *[Int32(64)] * 12, cc.fake_stream())
+    return (*ptrs, *[Int32(64)] * 13, cc.fake_stream())
 
 
 def token_sum_compile_args(dtype) -> tuple:
@@ -326,12 +326,13 @@ def token_sum_compile_args(dtype) -> tuple:
 
 
 def _gemm(epilogue: Epilogue, gather: bool, dtype, bias_dtype, sms: int, tile_m: int = 128, tile_n: int = 256, early: bool = False):
-    """The compiled GEMM with outputs in dtype (and operands too, or in fp8 with epilogue.scales "fp8")."""
+    """The compiled GEMM with outputs in dtype (and operands too, or in fp8 with epilogue.scales "fp8" or
+    "fp8_block")."""
     key = _gemm_key(epilogue, gather, dtype, bias_dtype, sms, tile_m, tile_n, early)
 
     def build():
         kernel = MoeGemmSm90(epilogue, tile_n=tile_n, tile_m=tile_m, gather=gather, num_sms=sms, early_weights=early)
-        return kernel, gemm_compile_args(dtype, bias_dtype, fp8=epilogue.scales == "fp8")
+        return kernel, gemm_compile_args(dtype, bias_dtype, fp8=epilogue.scales != "none")
 
     return cc.get(key, build)
 
@@ -382,16 +383,23 @@ def _hint(x: torch.Tensor, gather: torch.Tensor, expert_ids: torch.Tensor | None
 
 
 def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride, hint=None, scales=None):
-    """scales: (a_scale, w_scale) of fp8 operands (_fp8_scales), or None. The kernel reads a_scale with a
-    row stride of 1 (per row) or 0 (per tensor), w_scale as [E, 1] or [E, N]."""
+    """scales: (a_scale, w_scale, block) of fp8 operands (_fp8_scales), or None. The kernel reads a_scale
+    as [rows, kb] with a row stride of kb (block scales, kb = cdiv(K, 128)), 1 (per row) or 0 (per
+    tensor), w_scale as [E, 1, 1] (per expert), [E, N, 1] (per row) or [E, cdiv(N, 128), kb]."""
     num_experts = offsets.shape[0] - 1
     hint_ids, hint_pairs, hint_stride = hint if hint is not None else _hint(a, gather, None)
     # Without scales the kernel reads none: any aligned pointer stands in.
-    a_scale, w_scale = scales if scales is not None else (w_parts[0], w_parts[0])
+    a_scale, w_scale, block = scales if scales is not None else (w_parts[0], w_parts[0], False)
+    if scales is None:
+        a_stride, w_cols, kb = 0, 1, 1
+    elif block:
+        kb = a_scale.shape[1]
+        a_stride, w_cols = kb, w_scale.shape[1]
+    else:
+        a_stride, w_cols, kb = int(a_scale.numel() > 1), w_scale.numel() // num_experts, 1
     sizes = _int32(
         a.shape[0], a.shape[1], n_part, num_experts, b_stride, out.shape[0], out.shape[1],
-        bias.shape[1] if bias is not None else 0, hint_pairs, hint_stride, int(scales is not None and a_scale.numel() > 1),
-        w_scale.numel() // num_experts if scales is not None else 1,
+        bias.shape[1] if bias is not None else 0, hint_pairs, hint_stride, a_stride, w_cols, kb,
     )  # fmt: skip
     _launch(
         fn, a.device,
@@ -408,12 +416,13 @@ def _int32(*sizes: int) -> tuple[int, ...]:
     return sizes
 
 
-def _fp8_scales(a, w, a_scale, w_scale, out_dtype) -> tuple[torch.dtype, tuple | None]:
-    """(the output dtype, (a_scale, w_scale) or None) of a call: with e4m3 operands (a and w both
-    float8_e4m3fn) the kernels scale the products by a_scale (float32, one per row of a or one per-tensor
-    value) and w_scale (float32, one per expert: [E], [E, 1] or [E, 1, 1]; or one per weight row: [E, N]
-    or [E, N, 1]) and write out_dtype (bf16); with 16-bit operands out_dtype is a's dtype and there are
-    no scales."""
+def _fp8_scales(a, w, a_scale, w_scale, out_dtype, block_scales=False) -> tuple[torch.dtype, tuple | None]:
+    """(the output dtype, (a_scale, w_scale, block_scales) or None) of a call: with e4m3 operands (a and
+    w both float8_e4m3fn) the kernels scale the products by a_scale (float32, one per row of a or one
+    per-tensor value) and w_scale (float32, one per expert: [E], [E, 1] or [E, 1, 1]; or one per weight
+    row: [E, N] or [E, N, 1]) and write out_dtype (bf16). block_scales: a_scale [rows, kb] per 1x128 group
+    of a row, w_scale [E, cdiv(N, 128), kb] per 128x128 block, kb = cdiv(K, 128), applied per k-tile.
+    With 16-bit operands out_dtype is a's dtype and there are no scales."""
     fp8 = a.dtype == FP8
     if not fp8:
         if a_scale is not None or w_scale is not None:
@@ -431,33 +440,40 @@ def _fp8_scales(a, w, a_scale, w_scale, out_dtype) -> tuple[torch.dtype, tuple |
             raise ValueError(f"{name}: required with {FP8} operands (float32 scales)")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+    e, n = w.shape[0], w.shape[1]
+    if block_scales:
+        kb, nb = _cdiv(a.shape[1], SCALE_BLOCK), _cdiv(n, SCALE_BLOCK)
+        for name, t, want in (("a_scale", a_scale, (a.shape[0], kb)), ("w_scale", w_scale, (e, nb, kb))):
+            if tuple(t.shape) != want:
+                raise ValueError(f"{name}: shape {list(t.shape)}; block scales of K = {a.shape[1]} take {list(want)} (1x128 and 128x128 groups)")
+        return out_dtype, (a_scale, w_scale, True)
     if a_scale.numel() not in (1, a.shape[0]):
         raise ValueError(f"a_scale: {a_scale.numel()} values for {a.shape[0]} rows of a; expected 1 (per-tensor) or one per row")
-    e, n = w.shape[0], w.shape[1]
     if tuple(w_scale.shape) not in ((e,), (e, 1), (e, 1, 1), (e, n), (e, n, 1)):
         raise ValueError(
             f"w_scale: shape {list(w_scale.shape)}; expected one scale per expert ([{e}], [{e}, 1] or [{e}, 1, 1]) "
             f"or one per weight row ([{e}, {n}] or [{e}, {n}, 1])"
         )
-    return out_dtype, (a_scale, w_scale)
+    return out_dtype, (a_scale, w_scale, False)
 
 
 def gate_up(
     x, w, bias, offsets, gather, *, activation: str, alpha: float, limit: float, gate_layout: str, out=None, tiles=None,
-    expert_ids=None, a_scale=None, w_scale=None, out_dtype=None,
+    expert_ids=None, a_scale=None, w_scale=None, out_dtype=None, block_scales=False,
 ):  # fmt: skip
     """[P, I] = act(x[gather] @ w[e].T + bias[e]) per expert; see the module docstring. Rows of
     dropped pairs (at or past offsets[E]) are left unwritten. out: an optional [P, I] destination.
     tiles: (tile_m, tile_n) instead of choose_tiles' (for tile sweeps). expert_ids: the routing plan's
     topk_ids [M, k] when they are local expert ids (no expert_map), read at M = 1 as a hint only.
     fp8: x and w in float8_e4m3fn, x @ w[e].T scaled by a_scale (per token or per tensor) and w_scale[e]
-    before the bias and the activation, the result in out_dtype (_fp8_scales)."""
+    before the bias and the activation, or with block_scales per 1x128 and 128x128 block, the result in
+    out_dtype (_fp8_scales)."""
     _check_experts(w)
     num_experts, n, hidden = w.shape
     if activation in GATED and n % 2:
         raise ValueError(f"w: {activation!r} reads each expert's N rows as gate and up halves; N must be even, got shape {list(w.shape)}")
     inter = n // 2 if activation in GATED else n
-    dtype, scales = _fp8_scales(x, w, a_scale, w_scale, out_dtype)
+    dtype, scales = _fp8_scales(x, w, a_scale, w_scale, out_dtype, block_scales)
     _check_support(gate_up_support(
         dtype=dtype, weight_dtype=w.dtype, activation=activation, gate_layout=gate_layout, has_bias=bias is not None,
         hidden=hidden, intermediate=inter, num_experts=num_experts, weight_row_major=w.stride(2) == 1,
@@ -474,9 +490,12 @@ def gate_up(
         out = torch.empty(gather.shape[0], inter, dtype=dtype, device=x.device)
     if out.shape[0] == 0:
         return out
-    epi = Epilogue(activation, gate_layout, float(alpha), float(limit), has_bias=bias is not None, scales="none" if scales is None else "fp8")
+    epi = Epilogue(activation, gate_layout, float(alpha), float(limit), has_bias=bias is not None, scales=_scales_kind(scales))
     sms = num_sms(x.device.index)
-    tiles = tiles or choose_tiles(gate_layout, inter, x.shape[0], gather.shape[0] // max(x.shape[0], 1), num_experts, sms, k_dim=hidden)
+    tiles = tiles or _fp8_tiles(
+        choose_tiles(gate_layout, inter, x.shape[0], gather.shape[0] // max(x.shape[0], 1), num_experts, sms, k_dim=hidden),
+        scales, bias is not None,
+    )  # fmt: skip
     fn = _gemm(epi, True, dtype, bias.dtype if bias is not None else dtype, sms, *tiles)
     if gate_layout == "concat":
         # The up rows of each expert start I rows after its gate rows; the kernel reads both as parts.
@@ -491,13 +510,27 @@ def _scale_tensors(scales) -> dict:
     return {} if scales is None else dict(a_scale=scales[0], w_scale=scales[1])
 
 
+def _scales_kind(scales) -> str:
+    """Epilogue.scales for _fp8_scales' result."""
+    return "none" if scales is None else ("fp8_block" if scales[2] else "fp8")
+
+
+def _fp8_tiles(tiles: tuple[int, int], scales, has_bias: bool) -> tuple[int, int]:
+    """choose_tiles' tiles, narrowed for fp8 operands to 128-row tiles of at most 128 B rows with block
+    scales (their doubled accumulators: MoeGemmSm90) or with a bias (the 128 x 256 tiles' epilogue
+    with per-column weight scales and bias loads spilled registers)."""
+    if scales is not None and (scales[2] or has_bias) and tiles[0] == 128:
+        return 128, min(tiles[1], 128)
+    return tiles
+
+
 def _scale_specs(scales) -> dict:
     # Checked flat: their shapes were checked by _fp8_scales; here dtype, contiguity and device.
     return {name: (t, t.shape, (torch.float32,)) for name, t in _scale_tensors(scales).items()}
 
 
 def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None, weights_early=False, norm_weight=None,
-                norm_eps=1e-6, a_scale=None, w_scale=None, out_dtype=None):  # fmt: skip
+                norm_eps=1e-6, a_scale=None, w_scale=None, out_dtype=None, block_scales=False):  # fmt: skip
     """[M, H] = sum_j topk_weights[m, j] * (a[inverse[m*k+j]] @ w[e].T + bias[e]); see the module
     docstring. Every element of the output is written. out: an optional [M, H] destination.
     norm_weight [H] (y's dtype or float32): each row is normalized first (norm_token_sum.py), with norm_eps.
@@ -506,12 +539,13 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None
     launched just before it on the stream (MoeGemmSm90.early_weights). Only when that kernel writes
     neither and started after both were written, as gate_up over the same plan does.
     fp8: a and w in float8_e4m3fn, each row's product scaled by a_scale (per row of a or per tensor) and
-    w_scale[e] before the bias; the output (and y, the GEMM's rows) in out_dtype (_fp8_scales)."""
+    w_scale[e] before the bias, or with block_scales per 1x128 and 128x128 block; the output (and y, the
+    GEMM's rows) in out_dtype (_fp8_scales)."""
     _check_experts(w)
     num_experts, hidden, inter = w.shape
     _check_tensors(topk_weights=(topk_weights, (None, None), (torch.float32,)))
     m, k = topk_weights.shape
-    dtype, scales = _fp8_scales(a, w, a_scale, w_scale, out_dtype)
+    dtype, scales = _fp8_scales(a, w, a_scale, w_scale, out_dtype, block_scales)
     if scales is not None and weights_early:
         # Not among variants(..., scales="fp8"): the fp8 path's GEMM2 follows the intermediate's quantizer.
         raise ValueError("weights_early: fp8 operands take weights_early=False")
@@ -539,9 +573,9 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None
     if m == 0:
         return out
     y = torch.empty(a.shape[0], hidden, dtype=dtype, device=a.device)
-    epi = Epilogue("none", "none", has_bias=bias is not None, scales="none" if scales is None else "fp8")
+    epi = Epilogue("none", "none", has_bias=bias is not None, scales=_scales_kind(scales))
     sms = num_sms(a.device.index)
-    tiles = tiles or choose_tiles("none", hidden, m, k, num_experts, sms, k_dim=inter)
+    tiles = tiles or _fp8_tiles(choose_tiles("none", hidden, m, k, num_experts, sms, k_dim=inter), scales, bias is not None)
     fn = _gemm(epi, False, dtype, bias.dtype if bias is not None else dtype, sms, *tiles, early=bool(weights_early))
     # GEMM2 gathers nothing: inverse stands in for the gather pointer, which this variant never reads.
     _launch_gemm(fn, a, (w, w), y, offsets, inverse, bias, hidden, hidden * inter, scales=scales)
@@ -562,16 +596,19 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None
 def variants(dtype=torch.bfloat16, bias_dtypes=(None,), scales: str = "none"):
     """Every (epilogue, gather, bias dtype, tile_m, tile_n, early weights) the fused ops can request
     (see choose_tiles) for outputs in `dtype`, with operands in dtype (scales "none") or in fp8 (scales
-    "fp8": the quantized path's GEMMs, whose GEMM2 never loads weights early)."""
+    "fp8" or "fp8_block": the quantized path's GEMMs, whose GEMM2 never loads weights early; without the
+    128 x 256 tiles where _fp8_tiles narrows them)."""
     out = []
     earlies = (True, False) if scales == "none" else (False,)
+    fp8 = None if scales == "none" else (None, None, scales == "fp8_block")
     for bias in bias_dtypes:
+        allowed = lambda tiles: fp8 is None or _fp8_tiles(tiles, fp8, bias is not None) == tiles  # noqa: E731
         gemm2 = Epilogue("none", "none", has_bias=bias is not None, scales=scales)
         for act in ACTIVATIONS:
             for layout in (("concat", "interleaved") if act in GATED else ("none",)):
                 epi = Epilogue(act, layout, has_bias=bias is not None, scales=scales)
-                out += [(epi, True, bias or dtype, *tiles, False) for tiles in tile_shapes(layout)]
-        out += [(gemm2, False, bias or dtype, *tiles, early) for tiles in tile_shapes("none") for early in earlies]
+                out += [(epi, True, bias or dtype, *tiles, False) for tiles in tile_shapes(layout) if allowed(tiles)]
+        out += [(gemm2, False, bias or dtype, *tiles, early) for tiles in tile_shapes("none") for early in earlies if allowed(tiles)]
     return out
 
 

@@ -114,7 +114,16 @@ READS = {"swigluoai": ("alpha", "limit"), "silu_clamped": ("limit",), "swiglu_so
 # (the token's for GEMM1, which gathers; the grouped row's for GEMM2), or with a stride of 0 one
 # per-tensor value. w_scale: [E, w_scale_cols] float32, one per weight row (per channel) or, with one
 # column, one per expert. One kernel for all four: the strides and columns are arguments.
-SCALES = ("none", "fp8")
+# "fp8_block": block scales that change along K (DeepSeek-V3's and Qwen3-FP8's: 1x128 groups of A rows,
+# 128x128 blocks of weights): a_scale [rows_a, kb], w_scale [E, cdiv(N, 128), kb] with kb = cdiv(K, 128),
+# one k-tile per K block. Each k-tile's products go to temporary accumulators, which the consumers add
+# to the tile's, scaled by their row's and their weight block's scales for that k-tile (CUTLASS's
+# "promotion"): the WGMMAs of one k-tile then wait for the previous one's scaling, and the temporaries
+# double the accumulators, so the widest tiles (128 x 256) are refused (BLOCK_MAX_ACC).
+SCALES = ("none", "fp8", "fp8_block")
+SCALE_BLOCK = 128
+# fp32 accumulator elements per consumer thread a block-scaled tile may hold, temporaries included.
+BLOCK_MAX_ACC = 128
 
 
 @dataclass(frozen=True)
@@ -122,7 +131,8 @@ class Epilogue:
     """What the epilogue does to each accumulator row before storing it.
     activation: "none" (store), or a GATED kind, or relu2.
     gate_layout: "concat" ([gate; up] as two B parts), "interleaved" (pairs of columns) or "none".
-    scales: "none" (bf16/fp16 operands) or "fp8" (e4m3 operands, the accumulators scaled first: SCALES)."""
+    scales: "none" (bf16/fp16 operands), "fp8" (e4m3 operands, the accumulators scaled first) or
+    "fp8_block" (e4m3 operands, each k-tile's products scaled in the main loop): SCALES."""
 
     activation: str = "none"
     gate_layout: str = "none"
@@ -250,7 +260,8 @@ class MoeGemmSm90:
         self.swap = tile_m == 16
         # e4m3 operands (Epilogue.scales "fp8") take 128 K elements per k-tile, 16-bit ones 64: the same
         # 128-byte rows, so the stages, swizzles and 16-byte chunks are the same bytes.
-        self.operand_bytes = 1 if epilogue.scales == "fp8" else 2
+        self.operand_bytes = 2 if epilogue.scales == "none" else 1
+        self.block = epilogue.scales == "fp8_block"
         self.tile_k = self.ROW_BYTES // self.operand_bytes
         self.staged = not gather and not self.swap
         self.epi = epilogue
@@ -270,7 +281,7 @@ class MoeGemmSm90:
         # leaving the tensor cores idle while they store (bench/NOTES.md v36: deepseek M = 8192 2-2.5%
         # faster). Not with biases: their loads would then wait before the next tile's first WGMMAs
         # (gpt-oss's recipe 2-3% slower).
-        self.defer = self.tma_a and not epilogue.has_bias
+        self.defer = self.tma_a and not epilogue.has_bias and not self.block
         if self.defer:
             # The packed outputs live beside the next tile's accumulators; the producer is one TMA
             # thread, which needs fewer registers than the gathering producers of other variants.
@@ -323,6 +334,15 @@ class MoeGemmSm90:
                 f"tile_n={tile_n} with tile_m={tile_m} gives each warpgroup {self.wg_out_n} columns; without gather "
                 "(staged stores) that must be a multiple of 32"
             )
+        if self.block:
+            # Per consumer thread: a 64-row slice of each part (swapped: 64 weight rows x 16 tokens), doubled.
+            per_part = 64 * (self.tile_m if self.swap else self.part_n // self.wg_grid[1]) // 128
+            acc = 2 * per_part * (self.num_parts if not self.wg_part else 1)
+            if acc > BLOCK_MAX_ACC:
+                raise ValueError(
+                    f"tile_m={tile_m}, tile_n={tile_n} with block scales: {acc} fp32 accumulators per thread with the "
+                    f"temporaries; at most {BLOCK_MAX_ACC} fit beside the rest (tile_n 128 for 128-row tiles)"
+                )
         # A tile + B parts per stage, 128-byte rows; the rest of shared memory is the epilogue's
         # staging buffers and barriers.
         stage_bytes = (self.tile_m + self.num_parts * self.part_n) * self.ROW_BYTES
@@ -343,8 +363,8 @@ class MoeGemmSm90:
         gather_ptr: cute.Pointer,  # (P,) int32; read only when gather
         hint_ptr: cute.Pointer,  # (hint_pairs,) int32 expert ids, hint_stride apart (GEMM1 at M = 1)
         bias_ptr: cute.Pointer,  # (E, N) bias rows; read only with has_bias
-        a_scale_ptr: cute.Pointer,  # float32 A scales, a_scale_stride apart (Epilogue.scales "fp8" only)
-        w_scale_ptr: cute.Pointer,  # (E, w_scale_cols) float32 weight scales (Epilogue.scales "fp8" only)
+        a_scale_ptr: cute.Pointer,  # (rows_a, scale_k) float32 A scales, rows a_scale_stride apart (fp8 only)
+        w_scale_ptr: cute.Pointer,  # (E, w_scale_cols, scale_k) float32 weight scales (fp8 only)
         rows_a: Int32,
         k: Int32,
         n_part: Int32,
@@ -355,8 +375,9 @@ class MoeGemmSm90:
         bias_stride: Int32,
         hint_pairs: Int32,  # 0: no hint; else the token's k <= HINT_MAX_PAIRS expert ids (M = 1, gather only)
         hint_stride: Int32,  # elements between the ids (2: the low words of int64 ids)
-        a_scale_stride: Int32,  # 1: one scale per A row; 0: one per-tensor scale
-        w_scale_cols: Int32,  # N: one scale per weight row; 1: one per expert
+        a_scale_stride: Int32,  # elements between A rows' scales (0: one per-tensor scale)
+        w_scale_cols: Int32,  # N: one scale per weight row; 1: one per expert; fp8_block: cdiv(N, 128)
+        scale_k: Int32,  # fp8_block: the K blocks, cdiv(K, 128), per A row and per weight block row; else 1
         stream: cuda.CUstream,
     ):
         # Shapes the kernel relies on (checked by the caller): K and the B/C rows are multiples of
@@ -384,8 +405,16 @@ class MoeGemmSm90:
         mGather = cute.make_tensor(gather_ptr, cute.make_layout((rows_c,)))
         mHint = cute.make_tensor(hint_ptr, cute.make_layout((hint_pairs,), stride=(hint_stride,)))
         mBias = cute.make_tensor(bias_ptr, cute.make_layout((num_experts, bias_stride), stride=(bias_stride, 1)))
-        mAScale = cute.make_tensor(a_scale_ptr, cute.make_layout((rows_a,), stride=(a_scale_stride,)))
-        mWScale = cute.make_tensor(w_scale_ptr, cute.make_layout((num_experts, w_scale_cols), stride=(w_scale_cols, 1)))
+        if const_expr(self.block):
+            mAScale = cute.make_tensor(a_scale_ptr, cute.make_layout((rows_a, scale_k), stride=(a_scale_stride, 1)))
+            mWScale = cute.make_tensor(
+                w_scale_ptr, cute.make_layout((num_experts, w_scale_cols, scale_k), stride=(w_scale_cols * scale_k, scale_k, 1))
+            )
+        else:
+            # One K block (scale_k = 1), static: a dynamic stride per index costs the epilogue registers
+            # (the 128 x 256 tiles spilled).
+            mAScale = cute.make_tensor(a_scale_ptr, cute.make_layout((rows_a, 1), stride=(a_scale_stride, 0)))
+            mWScale = cute.make_tensor(w_scale_ptr, cute.make_layout((num_experts, w_scale_cols, 1), stride=(w_scale_cols, 1, 0)))
         dtype = mA.element_type
         if const_expr(dtype.width != 8 * self.operand_bytes):
             raise TypeError(f"MoeGemmSm90 with Epilogue.scales {self.epi.scales!r} takes {8 * self.operand_bytes}-bit operands, got {dtype}")
@@ -824,6 +853,13 @@ class MoeGemmSm90:
             tCcC = thr_mma.partition_C(cC)
             acc0 = cute.make_rmem_tensor(tCcC.shape, Float32)
             acc1 = cute.make_rmem_tensor(tCcC.shape, Float32)
+            # The WGMMAs' destinations: the accumulators, or with block scales a k-tile's temporaries.
+            c0, c1 = acc0, acc1
+            if const_expr(self.block):
+                c0 = cute.make_rmem_tensor(tCcC.shape, Float32)
+                c1 = cute.make_rmem_tensor(tCcC.shape, Float32) if self.num_parts == 2 and not self.wg_part else c0
+            # The B part a swapped [gate; up] warpgroup's acc0 holds before the hand-over.
+            part0 = (wg_idx - 1) if self.wg_part else 0
             num_k_blocks = cute.size(tCrA, mode=[2])
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -852,6 +888,10 @@ class MoeGemmSm90:
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.fence()
                     for kt in range(k_tiles):
+                        if const_expr(self.block):
+                            # The temporaries were read by the last k-tile's scaling (ordinary
+                            # instructions) before these WGMMAs overwrite them.
+                            warpgroup.fence()
                         if const_expr(not self.tma_a):
                             pipe_a.consumer_wait(read)
                         pipe_b.consumer_wait(read)
@@ -868,13 +908,17 @@ class MoeGemmSm90:
                             if const_expr(self.k_split):
                                 # This warpgroup's half of the stage's k-blocks.
                                 coord = (None, None, kb + (wg_idx - 1) * (num_k_blocks // 2), read.index)
+                            if const_expr(self.block):
+                                # A k-tile's first WGMMA overwrites the temporaries (no zeroing: zeros
+                                # written by ordinary instructions made ptxas serialise the WGMMAs).
+                                tiled_mma.set(warpgroup.Field.ACCUMULATE, kb > 0)
                             if const_expr(self.swap):
                                 # One accumulator per warpgroup: its 64 weight rows of the one part it has.
-                                cute.gemm(tiled_mma, acc0, tCrB0[coord], tCrA[coord], acc0)
+                                cute.gemm(tiled_mma, c0, tCrB0[coord], tCrA[coord], c0)
                             else:
-                                cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
+                                cute.gemm(tiled_mma, c0, tCrA[coord], tCrB0[coord], c0)
                                 if const_expr(self.num_parts == 2):
-                                    cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
+                                    cute.gemm(tiled_mma, c1, tCrA[coord], tCrB1[coord], c1)
                         warpgroup.commit_group()
                         if const_expr(self.defer):
                             # One 64-column chunk of the previous tile's outputs under each of the first
@@ -883,8 +927,14 @@ class MoeGemmSm90:
                                 if kt == cutlass.min(q, k_tiles - 1):
                                     if p_rows_left > 0:
                                         self._store_packed(packed, tCcC, mC, p_row0, p_rows_left, p_col0, n_out, sEpi, sDest, q, q + 1)
-                        # Keep one k-tile of WGMMAs in flight; free the buffer of the one before it.
-                        warpgroup.wait_group(1)
+                        if const_expr(self.block):
+                            # This k-tile's scales load under its WGMMAs; then its products join the sums.
+                            scales = self._block_scales(tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0], kt, part0)
+                            warpgroup.wait_group(0)
+                            self._promote(acc0, acc1, c0, c1, scales)
+                        else:
+                            # Keep one k-tile of WGMMAs in flight; free the buffer of the one before it.
+                            warpgroup.wait_group(1)
                         if kt > 0:
                             if const_expr(not self.tma_a):
                                 pipe_a.consumer_release(release)
@@ -914,17 +964,17 @@ class MoeGemmSm90:
                         # Before the next tile's hand-over overwrites the buffer.
                         cute.arch.barrier(barrier_id=1, number_of_threads=256)
                         if wg_idx == 1:
-                            self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile)
+                            self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0])
                             self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest, biases)
                     elif const_expr(self.defer):
-                        self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile)
+                        self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0])
                         for q in cutlass.range_constexpr(self._chunks()):
                             self._pack(acc0, acc1, tCcC, mBias, e, n_tile * self.out_n, n_out, packed, q, q + 1)
                         p_row0 = row0
                         p_rows_left = rows_left
                         p_col0 = n_tile * self.out_n
                     else:
-                        self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile)
+                        self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0])
                         self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest, biases)
                     tile += grid
                 else:
@@ -934,66 +984,119 @@ class MoeGemmSm90:
                     self._store_packed(packed, tCcC, mC, p_row0, p_rows_left, p_col0, n_out, sEpi, sDest, 0, self._chunks())
 
     @cute.jit
-    def _scale(self, acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile):
-        """fp8 operands (Epilogue.scales, SCALES): multiply this thread's accumulators by the scale of
-        their A row times their weight row's scale, before the bias and the activation. Rows past the
-        expert (never stored) read no A scale. A non-swapped thread holds two rows (fragment element i's
-        row half (i // 2) % 2) and pairs of columns (elements 4b + v and 4b + 2 + v share column v of
-        block b), so it loads two A scales and one weight scale per column; a swapped one holds a few
-        tokens' columns of a few weight rows and loads per element."""
+    def _scale(self, acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, n_part):
+        """Epilogue.scales "fp8": multiply this thread's accumulators by the scale of their A row times
+        their weight row's scale, before the bias and the activation. A non-swapped thread holds two rows
+        (fragment element i's row half (i // 2) % 2) and pairs of columns (elements 4b + v and 4b + 2 + v
+        share column v of block b), so it loads two A scales and one weight scale per column; a swapped
+        one holds a few tokens' columns of a few weight rows and loads per element. (fp8_block scales
+        each k-tile in the main loop instead: _promote.)"""
         if const_expr(self.epi.scales == "fp8"):
             cols = mWScale.shape[1]
             if const_expr(self.swap):
                 for i in cutlass.range_constexpr(cute.size(acc0)):
                     n, m = tCcC[i]
-                    a = self._row_scale(mAScale, mGather, row0, m, rows_left)
-                    acc0[i] = acc0[i] * (a * mWScale[e, self._w_row(n, 0, n_tile, cols)])
+                    a = mAScale[self._src_row(mGather, row0, m, rows_left), 0]
+                    acc0[i] = acc0[i] * (a * mWScale[e, cutlass.min(self._w_row(n, 0, n_tile, n_part), cols - 1), 0])
                     if const_expr(self.num_parts == 2):
-                        acc1[i] = acc1[i] * (a * mWScale[e, self._w_row(n, 1, n_tile, cols)])
+                        acc1[i] = acc1[i] * (a * mWScale[e, cutlass.min(self._w_row(n, 1, n_tile, n_part), cols - 1), 0])
             else:
                 frag = cute.shape(tCcC)
                 assert frag[0][0] == 2 and frag[0][1] == 2 and frag[1] == 1 and frag[2] == 1, frag
                 a = (
-                    self._row_scale(mAScale, mGather, row0, tCcC[0][0], rows_left),
-                    self._row_scale(mAScale, mGather, row0, tCcC[2][0], rows_left),
+                    mAScale[self._src_row(mGather, row0, tCcC[0][0], rows_left), 0],
+                    mAScale[self._src_row(mGather, row0, tCcC[2][0], rows_left), 0],
                 )
                 accs = (acc0, acc1)[: self.num_parts]
                 for p in cutlass.range_constexpr(self.num_parts):
                     for b in cutlass.range_constexpr(cute.size(acc0) // 4):
                         for v in cutlass.range_constexpr(2):
-                            w = mWScale[e, self._w_row(tCcC[4 * b + v][1], p, n_tile, cols)]
+                            w = mWScale[e, cutlass.min(self._w_row(tCcC[4 * b + v][1], p, n_tile, n_part), cols - 1), 0]
                             for h in cutlass.range_constexpr(2):
                                 accs[p][4 * b + 2 * h + v] = accs[p][4 * b + 2 * h + v] * (a[h] * w)
 
     @cute.jit
-    def _w_row(self, n, part, n_tile, cols) -> Int32:
-        """The weight row whose scale applies to tile row n of B part `part` (n_tile: the tile's index
-        along the output columns), clamped to cols - 1: with cols = 1 (one scale per expert) always 0,
-        and a partial last tile's rows past N (never stored) read the last scale. [gate; up] has its
-        up rows cols / 2 rows after the gate rows; the paired split-K view interleaves blocks of 8 gate
-        and 8 up rows (see __call__)."""
+    def _block_scales(self, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, n_part, kt, part0):
+        """fp8_block: the scales of k-tile kt for this thread's accumulators, loaded before the k-tile's
+        WGMMAs are waited for: (A scales, weight scales per part). Swapped: one of each per element.
+        Non-swapped: the two rows' A scales, and per part the scales of the two 128-row blocks its rows
+        can span (a part has at most 128 rows here, or 256 aligned to 128), each column pair picking its
+        block's: one load per column pair held 32 values across the wait and spilled. part0: the B part
+        of acc0 (1 for the up warpgroup of a swapped [gate; up] tile, whose acc0 holds the up rows)."""
+        rows_total = n_part * (2 if self.epi.gate_layout == "concat" else 1)
+        if const_expr(self.swap):
+            a = []
+            w = []
+            for i in cutlass.range_constexpr(cute.size(tCcC)):
+                n, m = tCcC[i]
+                a.append(mAScale[self._src_row(mGather, row0, m, rows_left), kt])
+                w.append(mWScale[e, self._w_block(self._w_row(n, part0, n_tile, n_part), rows_total), kt])
+            return a, (w,)
+        a = [
+            mAScale[self._src_row(mGather, row0, tCcC[0][0], rows_left), kt],
+            mAScale[self._src_row(mGather, row0, tCcC[2][0], rows_left), kt],
+        ]
+        last = mWScale.shape[1] - 1
+        ws = []
+        for p in cutlass.range_constexpr(self.num_parts):
+            first = self._w_block(self._w_row(0, p, n_tile, n_part), rows_total)
+            pair = (mWScale[e, first, kt], mWScale[e, cutlass.min(first + 1, last), kt])
+            w = []
+            for b in cutlass.range_constexpr(cute.size(tCcC) // 4):
+                for v in cutlass.range_constexpr(2):
+                    blk = self._w_block(self._w_row(tCcC[4 * b + v][1], p, n_tile, n_part), rows_total)
+                    w.append(Float32(cutlass.select_(blk == first, pair[0], pair[1])))
+            ws.append(w)
+        return a, tuple(ws)
+
+    @cute.jit
+    def _promote(self, acc0, acc1, tmp0, tmp1, scales):
+        """fp8_block: acc += tmp * (A scale x weight scale), element by element (_block_scales' order)."""
+        a, ws = scales
+        if const_expr(self.swap):
+            for i in cutlass.range_constexpr(cute.size(acc0)):
+                acc0[i] = acc0[i] + tmp0[i] * (a[i] * ws[0][i])
+        else:
+            accs, tmps = (acc0, acc1), (tmp0, tmp1)
+            for p in cutlass.range_constexpr(self.num_parts):
+                for b in cutlass.range_constexpr(cute.size(acc0) // 4):
+                    for v in cutlass.range_constexpr(2):
+                        for h in cutlass.range_constexpr(2):
+                            i = 4 * b + 2 * h + v
+                            accs[p][i] = accs[p][i] + tmps[p][i] * (a[h] * ws[p][2 * b + v])
+
+    @cute.jit
+    def _w_row(self, n, part, n_tile, n_part) -> Int32:
+        """The weight row of tile row n of B part `part` (n_tile: the tile's index along the output
+        columns; n_part: rows per part, so [gate; up]'s up rows start n_part rows after the gate rows).
+        The paired split-K view interleaves blocks of 8 gate and 8 up rows (see __call__). Not clamped:
+        a partial last tile's rows may lie past N (never stored; callers clamp)."""
         row = n_tile * self.part_n + n
         if const_expr(self.paired):
             col = n_tile * self.out_n + n % 8 + 8 * (n // 16)
             up = (n // 8) % 2
             if const_expr(self.epi.gate_layout == "concat"):
-                row = col + up * (cols // 2)
+                row = col + up * n_part
             else:
                 row = 2 * col + up
-        elif const_expr(part == 1):
-            row = row + cols // 2
-        return cutlass.min(row, cols - 1)
+        else:
+            row = row + part * n_part  # part: 0 or 1, known when tracing or not (a swapped warpgroup's)
+        return row
 
     @cute.jit
-    def _row_scale(self, mAScale, mGather, row0, m, rows_left) -> Float32:
-        """The A scale of the tile's row m (GEMM1: its token's, through the gather), 0 past the expert."""
-        s = Float32(0.0)
-        if m < rows_left:
-            if const_expr(self.gather):
-                s = mAScale[mGather[row0 + m]]
-            else:
-                s = mAScale[row0 + m]
-        return s
+    def _w_block(self, row, rows_total) -> Int32:
+        """The 128-row scale block of weight row `row`, rows past the last (rows_total) in the last."""
+        return cutlass.min(row, rows_total - 1) // SCALE_BLOCK
+
+    @cute.jit
+    def _src_row(self, mGather, row0, m, rows_left) -> Int32:
+        """The A row of the tile's row m (GEMM1: its token, through the gather); rows past the expert
+        read the expert's last row instead (their products are never stored), without a branch: in the
+        main loop a branch between WGMMAs makes ptxas serialise them (C7520)."""
+        r = row0 + cutlass.min(m, rows_left - 1)
+        if const_expr(self.gather):
+            r = mGather[r]
+        return r
 
     @cute.jit
     def _zero_rows(self, sA_rows, stage, lo, rows_left, t):

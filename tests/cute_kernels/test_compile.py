@@ -34,6 +34,7 @@ VARIANTS = [
     *[(torch.float16, *v) for v in interface.variants(torch.float16, bias_dtypes=(None, torch.float16, torch.float32))],
     # fp8 operands (moe_ops/fp8_kernels.py), outputs in bf16: the quantized path's GEMMs.
     *[(torch.bfloat16, *v) for v in interface.variants(torch.bfloat16, bias_dtypes=(None, torch.bfloat16, torch.float32), scales="fp8")],
+    *[(torch.bfloat16, *v) for v in interface.variants(torch.bfloat16, bias_dtypes=(None, torch.bfloat16, torch.float32), scales="fp8_block")],
 ]
 
 
@@ -86,7 +87,7 @@ def _waits_before_global_access(ptx: str, early_weights: bool, gather: bool) -> 
 def _id(v) -> str:
     dtype, epi, gather, bias_dtype, tile_m, tile_n, early = v
     bias = str(bias_dtype).removeprefix("torch.") if epi.has_bias else "none"
-    operands = "fp8-" if epi.scales == "fp8" else ""
+    operands = {"none": "", "fp8": "fp8-", "fp8_block": "fp8block-"}[epi.scales]
     name = f"{operands}{str(dtype).removeprefix('torch.')}-{epi.activation}-{epi.gate_layout}-gather{int(gather)}-bias_{bias}-{tile_m}x{tile_n}"
     return name + ("-early" if early else "")
 
@@ -95,7 +96,7 @@ def _id(v) -> str:
 def test_moe_gemm_variant(variant, tmp_path):
     dtype, epi, gather, bias_dtype, tile_m, tile_n, early = variant
     kernel = MoeGemmSm90(epi, tile_n=tile_n, tile_m=tile_m, gather=gather, num_sms=132, early_weights=early)
-    fp8 = epi.scales == "fp8"
+    fp8 = epi.scales != "none"
     ptx = _compile(kernel, interface.gemm_compile_args(dtype, bias_dtype, fp8=fp8), tmp_path)
     # WGMMA on bf16/fp16 operands (m64nNk16) or e4m3 ones (m64nNk32), two accumulators for [gate; up];
     # swapped (tile_m 16), the tokens are N.
@@ -135,7 +136,8 @@ def test_moe_gemm_variant(variant, tmp_path):
     assert bool(re.search(r"bar\.sync\s+%r\d+, 128;", ptx)) == kernel.zero_pad
     # GEMM2's 128-row tiles without biases keep a tile's packed outputs beside the next tile's
     # accumulators (deferred stores): their consumers take more registers, the one-thread producer fewer.
-    assert kernel.defer == (kernel.tma_a and not epi.has_bias)
+    # Not with block scales: their temporaries take the registers the packed outputs would.
+    assert kernel.defer == (kernel.tma_a and not epi.has_bias and epi.scales != "fp8_block")
     regs = (40, 232) if kernel.defer else (56, 224)
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{regs[0]};", ptx)
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{regs[1]};", ptx)

@@ -39,6 +39,17 @@ def _values(codes, scale):
     return codes.double() * scale.double()
 
 
+def _block_values(codes, scale):
+    """codes [..., R, C] with one scale per 128 x 128 block ([..., cdiv(R, 128), cdiv(C, 128)]; rows of
+    1 x 128 groups: [R, cdiv(C, 128)] with R rows of their own) in float64."""
+    rows, cols = codes.shape[-2:]
+    full = scale.double()
+    if full.shape[-2] != rows:
+        full = full.repeat_interleave(128, dim=-2)[..., :rows, :]
+    full = full.repeat_interleave(128, dim=-1)[..., :cols]
+    return codes.double() * full
+
+
 def _gemm64(a, w, offsets, rows):
     """Row r of the grouped GEMM in float64: a[rows[r]] @ w[e(r)].T for the expert e(r) whose rows hold r."""
     out = torch.zeros(rows.shape[0], w.shape[1], dtype=torch.float64, device=a.device)
@@ -58,6 +69,51 @@ CASES = [
     ("swigluoai", "interleaved", False, True, True),
     ("relu2", "none", False, True, True),
 ]
+
+
+BLOCK_CASES = [("silu", "concat", True), ("swigluoai", "interleaved", False), ("relu2", "none", True)]
+
+
+@pytest.mark.parametrize("activation,layout,bias", BLOCK_CASES)
+def test_block_scales_every_tile_shape(interface, activation, layout, bias):
+    """Block scales (1x128 activation groups, 128x128 weight blocks: each k-tile's products scaled in the
+    main loop) with every tile shape the kernels take for them (no 128 x 256), ragged experts, K that
+    leaves a half k-tile (576, 320), N not a multiple of 128 (the last weight block partial: 320, 576)."""
+    m, e, k, h, i = 200, 16, 3, 576, 320
+    n = i if layout == "none" else 2 * i
+    kb1, kb2 = -(-h // 128), -(-i // 128)
+    w13, s13 = _codes((e, n, h), (e, -(-n // 128), kb1))
+    w2, s2 = _codes((e, h, i), (e, -(-h // 128), kb2))
+    x, xs = _codes((m, h), (m, kb1))
+    b13 = torch.randn(e, n, device="cuda") if bias else None
+    b2 = torch.randn(e, h, device="cuda", dtype=torch.bfloat16) if bias else None
+    tw, ti = routing(m, e, k, skew=0.3)
+    offsets, gather, inverse = routing_plan(ti, e, None)
+    valid = int(offsets[-1])
+    pre = _gemm64(_block_values(x, xs), _block_values(w13, s13), offsets, gather)
+    if bias:
+        pre += _pre_bias(b13, offsets, n)
+    want_h = _activation64(pre, activation, layout)
+    a2, a2s = _codes((gather.shape[0], i), (gather.shape[0], kb2))
+    y = _gemm64(_block_values(a2, a2s), _block_values(w2, s2), offsets, torch.arange(gather.shape[0], device="cuda"))
+    if bias:
+        y += _pre_bias(b2, offsets, h)
+    want_out = _token_sum64(y, tw, inverse)
+    gate, down = _fp8_tile_shapes(interface, layout, True, bias), _fp8_tile_shapes(interface, "none", True, bias)
+    for j in range(max(len(gate), len(down))):
+        tiles = (gate[j % len(gate)], down[j % len(down)])
+        got_h = torch.full((gather.shape[0], i), float("nan"), device="cuda", dtype=torch.bfloat16)
+        interface.gate_up(
+            x, w13, b13, offsets, gather, activation=activation, alpha=1.702, limit=7.0, gate_layout=layout, out=got_h,
+            tiles=tiles[0], a_scale=xs, w_scale=s13, out_dtype=torch.bfloat16, block_scales=True,
+        )  # fmt: skip
+        assert not got_h[:valid].isnan().any(), ("gate_up left rows unwritten", tiles)
+        assert rel_err(got_h[:valid], want_h[:valid]) < TOL, (tiles, rel_err(got_h[:valid], want_h[:valid]))
+        got = torch.full((m, h), float("nan"), device="cuda", dtype=torch.bfloat16)
+        interface.down_reduce(a2, w2, b2, offsets, tw, inverse, out=got, tiles=tiles[1], a_scale=a2s, w_scale=s2,
+                              out_dtype=torch.bfloat16, block_scales=True)  # fmt: skip
+        assert not got.isnan().any(), ("down_reduce left elements unwritten", tiles)
+        assert rel_err(got, want_out) < TOL, (tiles, rel_err(got, want_out))
 
 
 @pytest.mark.parametrize("activation,layout,bias,per_row,per_channel", CASES)
@@ -87,7 +143,7 @@ def test_every_tile_shape(interface, activation, layout, bias, per_row, per_chan
     if bias:
         y += _pre_bias(b2, offsets, h)
     want_out = _token_sum64(y, tw, inverse)
-    gate, down = interface.tile_shapes(layout), interface.tile_shapes("none")
+    gate, down = _fp8_tile_shapes(interface, layout, False, bias), _fp8_tile_shapes(interface, "none", False, bias)
     for j in range(max(len(gate), len(down))):
         tiles = (gate[j % len(gate)], down[j % len(down)])
         got_h = torch.full((gather.shape[0], i), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -102,6 +158,13 @@ def test_every_tile_shape(interface, activation, layout, bias, per_row, per_chan
                               out_dtype=torch.bfloat16)  # fmt: skip
         assert not got.isnan().any(), ("down_reduce left elements unwritten", tiles)
         assert rel_err(got, want_out) < TOL, (tiles, rel_err(got, want_out))
+
+
+def _fp8_tile_shapes(interface, layout, block, bias):
+    """The tiles the fp8 kernels take for a layout (interface._fp8_tiles: no 128 x 256 with block scales
+    or a bias), as variants() lists and CI compiles them."""
+    scales = (None, None, block)
+    return [t for t in interface.tile_shapes(layout) if interface._fp8_tiles(t, scales, bias) == t]
 
 
 def _activation64(h, kind, layout):

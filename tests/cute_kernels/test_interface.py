@@ -296,7 +296,7 @@ def test_sizes_past_int32_are_refused_before_launching(monkeypatch):
     hint = (gather, 0, 1)
     interface._launch_gemm(None, torch.empty(8, 64, **meta), (w, w), torch.empty(8, 64, **meta), offsets, gather, None, 64, 64 * 64, hint)
     # The pointers (a, both weight parts, out, offsets, gather, hint, bias, two scales), then the sizes.
-    assert len(launched) == 1 and launched[0][10:] == (8, 64, 64, 4, 4096, 8, 64, 0, 0, 1, 0, 1)
+    assert len(launched) == 1 and launched[0][10:] == (8, 64, 64, 4, 4096, 8, 64, 0, 0, 1, 0, 1, 1)
     for rows, stride in ((2**31, 64 * 64), (8, 2**31)):
         with pytest.raises(ValueError, match=r"sizes \[.*\]: the kernels take sizes and strides \(in elements\) below 2\*\*31"):
             interface._launch_gemm(None, torch.empty(rows, 64, **meta), (w, w), torch.empty(8, 64, **meta), offsets, gather, None, 64, stride, hint)
@@ -323,6 +323,7 @@ BAD_FP8_CALLS = {
     "out_float32": ("gate_up", dict(out_dtype=torch.float32), (ValueError, r"out_dtype: got torch.float32; with torch.float8_e4m3fn operands")),
     "out_float16": ("down_reduce", dict(out_dtype=torch.float16), (ValueError, r"out_dtype: got torch.float16; .* write torch.bfloat16")),
     "w_bf16": ("gate_up", dict(w=True), (TypeError, r"w: dtype torch.bfloat16; with a in torch.float8_e4m3fn the kernels take w in")),
+    "block_w_scale_shape": ("gate_up", dict(block_scales=True), (ValueError, r"w_scale: shape \[4, 256, 1\]; block scales of K = 128 take \[4, 2, 1\]")),
     "fp8_weights_early": ("down_reduce", dict(weights_early=True), (ValueError, r"weights_early: fp8 operands take weights_early=False")),
     "scales_on_bf16": ("down_reduce", dict(a=True), (ValueError, r"a_scale, w_scale: scales are for float8_e4m3fn operands; a is torch.bfloat16")),
 }  # fmt: skip
@@ -356,16 +357,25 @@ def test_fp8_launch_passes_the_scales(launches):
     assert launched_scales[0] is scales["a_scale"] and launched_scales[1] is scales["w_scale"]
 
 
-@pytest.mark.parametrize("a_rows, w_cols", [(8, 64), (1, 1), (8, 1), (1, 64)])
+@pytest.mark.parametrize("a_rows, w_cols", [(8, 64), (1, 1), (8, 1), (1, 64), ("block", "block")])
 def test_fp8_scale_strides(monkeypatch, a_rows, w_cols):
     """The kernel reads the activation scales with a row stride of 1 (one per row) or 0 (one per tensor)
-    and the weight scales as [E, 1] (one per expert) or [E, N] (one per row): the last two sizes."""
+    and the weight scales as [E, 1] (one per expert) or [E, N] (one per row), one K block; block scales
+    as [rows, kb] and [E, cdiv(N, 128), kb]: the last three sizes (row stride, weight rows, kb)."""
     launched = []
     monkeypatch.setattr(interface, "_launch", lambda fn, device, *args: launched.append(args))
     meta = dict(device="meta", dtype=torch.float8_e4m3fn)
     w = torch.empty(4, 64, 64, **meta)
     offsets, gather = torch.empty(5, dtype=torch.int32, device="meta"), torch.empty(8, dtype=torch.int32, device="meta")
-    scales = (torch.empty(a_rows, 1, device="meta"), torch.empty(4, w_cols, 1, device="meta"))
     out = torch.empty(8, 64, device="meta", dtype=torch.bfloat16)
-    interface._launch_gemm(None, torch.empty(8, 64, **meta), (w, w), out, offsets, gather, None, 64, 64 * 64, (gather, 0, 1), scales)
-    assert launched[0][-2:] == (int(a_rows > 1), w_cols)
+    if a_rows == "block":  # K = 320: 3 K blocks; N = 64: one row block
+        a = torch.empty(8, 320, **meta)
+        w = torch.empty(4, 64, 320, **meta)
+        scales = (torch.empty(8, 3, device="meta"), torch.empty(4, 1, 3, device="meta"), True)
+        want = (3, 1, 3)
+    else:
+        a = torch.empty(8, 64, **meta)
+        scales = (torch.empty(a_rows, 1, device="meta"), torch.empty(4, w_cols, 1, device="meta"), False)
+        want = (int(a_rows > 1), w_cols, 1)
+    interface._launch_gemm(None, a, (w, w), out, offsets, gather, None, 64, w[0].numel(), (gather, 0, 1), scales)
+    assert launched[0][-3:] == want
