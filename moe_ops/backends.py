@@ -5,8 +5,8 @@ Backends:
   It dequantizes weights on each call: right everywhere, fast nowhere.
 - cute: the CuTe DSL grouped-GEMM kernels (cute_kernels) on Hopper (sm_90) GPUs: behind the fused ops
   of the lowering when compiled, called by fused_experts itself when eager (eager_kernels.py); for
-  fp8_w8a8_per_tensor and fp8_w8a8_per_token on the fp8 codes (fp8_kernels.py), for the other
-  quantized schemes on weights decoded per call (dequant_kernels.py).
+  the fp8_w8a8 schemes in bf16 on the fp8 codes (fp8_kernels.py), for the other quantized schemes on
+  weights decoded per call (dequant_kernels.py).
 `support_table()` prints the answer to "why is this slow / unsupported?".
 """
 from __future__ import annotations
@@ -27,17 +27,17 @@ _REFERENCE_DEVICES = {
 _FP8_SCHEMES = {n for n in SCHEMES if n.startswith("fp8") or n in ("mxfp4_w4a8", "nvfp4_w4a16", "nvfp4_w4a4")}
 
 # The activation dtypes the CuTe DSL kernels take (cute_kernels.interface has the per-call checks: H and
-# I multiples of 64, row-major weights, contiguous inputs). fp8_w8a8_per_tensor/_per_token run them on
-# their fp8 codes (fp8_kernels.py); the other quantized schemes on weights decoded to that dtype on each call
+# I multiples of 64, row-major weights, contiguous inputs). The fp8_w8a8 schemes run them on their fp8
+# codes (fp8_kernels.py); the other quantized schemes on weights decoded to that dtype on each call
 # (dequant_kernels.py).
 CUTE_DTYPES = (torch.bfloat16, torch.float16)
 CUTE_DECODED = (
     "weights (and quantized activations) decoded to the activations' dtype on each call, then the bf16/fp16 "
     "kernels (decoded weights up to 8 GiB per GEMM)"
 )
-CUTE_FP8 = "the fp8 codes multiplied by fp8 WGMMA, scaled in the epilogue (per-tensor or per-row scales)"
-# The schemes the fp8 kernels serve (fp8_kernels.serves: per-tensor or per-row scales).
-CUTE_FP8_SCHEMES = ("fp8_w8a8_per_tensor", "fp8_w8a8_per_token")
+CUTE_FP8 = "the fp8 codes multiplied by fp8 WGMMA, scaled in the epilogue (per-tensor, per-row) or per k-tile (blocks)"
+# The schemes the fp8 kernels serve (fp8_kernels.serves), in bf16.
+CUTE_FP8_SCHEMES = ("fp8_w8a8_per_tensor", "fp8_w8a8_per_token", "fp8_w8a8_block")
 
 
 @dataclass(frozen=True)

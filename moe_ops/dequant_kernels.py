@@ -1,8 +1,8 @@
 """Quantized schemes on a Hopper GPU: the weights (and quantized activations) dequantized on each call to
 the activations' dtype, then the bf16/fp16 CuTe DSL kernels (cute_kernels.interface).
 
-The fp8 schemes with one weight scale per expert skip all this: the kernels multiply their codes
-(fp8_kernels.py, dispatched from gate_up and down_reduce here). For the others: the reference, which
+The fp8 schemes (per-tensor, per-token, 128x128 blocks; bf16 layers) skip all this: the kernels multiply
+their codes (fp8_kernels.py, dispatched from gate_up and down_reduce here). For the others: the reference, which
 every quantized scheme ran on before, multiplies float32 values on CUDA one gathered weight per grouped row (its grouped_mm has no
 float32 path without a host sync): 105 ms for a qwen3-shaped fp8 layer at M = 1024, 361 ms for gpt-oss
 in mxfp4 (bench/NOTES.md v43). Here each call decodes the weights it reads once, into the activations'
@@ -37,7 +37,7 @@ from .quant.quantize import dequantize_activation, quantize
 # experts with expert_map).
 MAX_BYTES = 8 << 30
 
-REASON = "weights dequantized to {dtype} on each call (the kernels multiply fp8 codes only with one weight scale per expert), then "
+REASON = "weights dequantized to {dtype} on each call (the kernels multiply fp8 codes of bf16 layers only), then "
 
 
 def decoded_bytes(num_experts: int, n: int, k: int, dtype: torch.dtype) -> int:
@@ -111,7 +111,7 @@ def gate_up(
     hint; here expert_ids is not read (the kernel's hint indexes E experts, not slots)."""
     if fp8_kernels.serves(a_dtype, a_group, w_dtype, w_group, x.dtype):
         return fp8_kernels.gate_up(
-            interface, x=x, a_scale=a_scale, a_dtype=a_dtype, a_group=a_group, w=w, w_scale=w_scale, bias=bias,
+            interface, x=x, a_scale=a_scale, a_dtype=a_dtype, a_group=a_group, w=w, w_scale=w_scale, w_group=w_group, bias=bias,
             expert_offsets=expert_offsets, gather_idx=gather_idx, activation=activation, alpha=alpha, limit=limit,
             gate_layout=gate_layout, out_quant_dtype=out_quant_dtype, out_quant_group=out_quant_group, out_scale=out_scale,
             out_global_scale=out_global_scale, expert_ids=expert_ids,
@@ -147,7 +147,7 @@ def down_reduce(
     for the schemes fp8_kernels serves, the intermediate's quantizer)."""
     if fp8_kernels.serves(a_dtype, a_group, w_dtype, w_group, out_dtype):
         return fp8_kernels.down_reduce(
-            interface, a=a, a_scale=a_scale, w=w, w_scale=w_scale, bias=bias, expert_offsets=expert_offsets,
+            interface, a=a, a_scale=a_scale, w=w, w_scale=w_scale, w_group=w_group, bias=bias, expert_offsets=expert_offsets,
             topk_weights=topk_weights, inverse=inverse, out_dtype=out_dtype, norm_weight=norm_weight, norm_eps=norm_eps,
         )  # fmt: skip
     rows = a.shape[0]

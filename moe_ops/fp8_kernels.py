@@ -1,10 +1,12 @@
-"""fp8 schemes whose scales are per tensor or per row, on the kernels' fp8 WGMMA: no decoding.
+"""fp8 schemes on the kernels' fp8 WGMMA: no decoding.
 
     GEMM1: h = act((q1 @ w13_q[e].T) * a13_scale(token) * w13_scale[e](n) + bias)     q1 = quantize(x)
     GEMM2: y = (q2 @ w2_q[e].T) * a2_scale(row) * w2_scale[e](n) + bias               q2 = quantize(h)
 
 (fp8_w8a8_per_tensor: one weight scale per expert, one activation scale per tensor; fp8_w8a8_per_token:
-one per weight row n and one per token / grouped row.)
+one per weight row n and one per token / grouped row.) fp8_w8a8_block (DeepSeek-V3, Qwen3-FP8: 128x128
+weight blocks, 1x128 activation groups) has scales that change along K: the kernels scale each
+128-element k-tile's products in their main loop instead (cute_kernels/moe_gemm.py, "fp8_block").
 
 The kernels (cute_kernels.interface with float8_e4m3fn operands) multiply the e4m3 codes on the tensor
 cores and scale each accumulator before the bias and the activation, so every call reads the weights'
@@ -23,13 +25,14 @@ import torch
 from .quant.quantize import quantize
 
 # The schemes served: fp8 weights with one scale per expert or per row (GroupShape kinds "per-tensor",
-# "per-row"), activations in fp8 with a per-tensor or per-row scale (their group as the op chain gives
-# it). Block scales (128x128 weights, 1x128 activations) change along K: they would scale each k-tile's
-# products inside the main loop, which the kernels do not (dequant_kernels.py decodes them).
+# "per-row") with fp8 activations of a per-tensor or per-row scale (their group as the op chain gives
+# it), applied in the epilogue; or 128x128 weight blocks with 1x128 activation groups (the kernels' k-tile
+# is 128 fp8 elements: one block along K), applied per k-tile.
 WEIGHT_GROUPS = ((-1, -1), (1, -1))
 ACTIVATION_GROUPS = ((-1, -1), (1, -1))
+BLOCK = ((1, 128), (128, 128))
 
-REASON = "fp8 codes multiplied by the kernels' fp8 WGMMA, scaled per {w} and per {a} in the epilogue; "
+REASON = "fp8 codes multiplied by the kernels' fp8 WGMMA, scaled per {w} and per {a} {where}; "
 
 
 # The outputs' (the layer's activations') dtype: the fp8 kernel variants that CI compiles and checks
@@ -40,19 +43,27 @@ DTYPES = (torch.bfloat16,)
 def serves(a_dtype: str, a_group, w_dtype: str, w_group, dtype: torch.dtype) -> bool:
     """Whether a quantized GEMM with these formats, its outputs in dtype, runs here (else dequant_kernels
     decodes it)."""
+    groups = (tuple(a_group), tuple(w_group))
     return (
-        a_dtype == "fp8" and tuple(a_group) in ACTIVATION_GROUPS and w_dtype == "fp8" and tuple(w_group) in WEIGHT_GROUPS
-        and dtype in DTYPES
+        a_dtype == "fp8" and w_dtype == "fp8" and dtype in DTYPES
+        and (groups == BLOCK or (groups[0] in ACTIVATION_GROUPS and groups[1] in WEIGHT_GROUPS))
     )  # fmt: skip
 
 
+def _block(w_group) -> bool:
+    return tuple(w_group) == BLOCK[1]
+
+
 def reason(a_group, w_group) -> str:
-    return REASON.format(a="token" if tuple(a_group) == (1, -1) else "tensor", w="channel" if tuple(w_group) == (1, -1) else "expert")
+    if _block(w_group):
+        return REASON.format(a="1x128 group", w="128x128 block", where="in the main loop, per k-tile")
+    a = "token" if tuple(a_group) == (1, -1) else "tensor"
+    return REASON.format(a=a, w="channel" if tuple(w_group) == (1, -1) else "expert", where="in the epilogue")
 
 
 def gate_up(
-    interface, *, x, a_scale, a_dtype, a_group, w, w_scale, bias, expert_offsets, gather_idx, activation, alpha, limit,
-    gate_layout, out_quant_dtype, out_quant_group, out_scale, out_global_scale, expert_ids,
+    interface, *, x, a_scale, a_dtype, a_group, w, w_scale, w_group, bias, expert_offsets, gather_idx, activation, alpha,
+    limit, gate_layout, out_quant_dtype, out_quant_group, out_scale, out_global_scale, expert_ids,
 ):  # fmt: skip
     """moe_ops::gate_up for a scheme `serves` accepts: x [M, H] quantized as the chain does, GEMM1 on the
     codes, the intermediate [P, I] quantized for GEMM2. Returns (intermediate, scale) as the op does.
@@ -65,15 +76,18 @@ def gate_up(
     out = torch.zeros(rows, inter, dtype=x.dtype, device=x.device)
     h = interface.gate_up(
         q, w, bias, expert_offsets, gather_idx, activation=activation, alpha=alpha, limit=limit, gate_layout=gate_layout,
-        out=out, expert_ids=expert_ids, a_scale=s, w_scale=w_scale, out_dtype=x.dtype,
+        out=out, expert_ids=expert_ids, a_scale=s, w_scale=w_scale, out_dtype=x.dtype, block_scales=_block(w_group),
     )  # fmt: skip
     return quantize(h, out_quant_dtype, list(out_quant_group), out_scale, out_global_scale)
 
 
-def down_reduce(interface, *, a, a_scale, w, w_scale, bias, expert_offsets, topk_weights, inverse, out_dtype, norm_weight, norm_eps):
+def down_reduce(
+    interface, *, a, a_scale, w, w_scale, w_group, bias, expert_offsets, topk_weights, inverse, out_dtype, norm_weight, norm_eps,
+):  # fmt: skip
     """moe_ops::down_reduce for a scheme `serves` accepts: GEMM2 on the intermediate's codes a [P, I]
     with their scale, then [norm +] router weight + token sum. [M, H] in out_dtype."""
     norm = {} if norm_weight is None else dict(norm_weight=norm_weight, norm_eps=norm_eps)
     return interface.down_reduce(
-        a, w, bias, expert_offsets, topk_weights, inverse, a_scale=a_scale, w_scale=w_scale, out_dtype=out_dtype, **norm,
+        a, w, bias, expert_offsets, topk_weights, inverse, a_scale=a_scale, w_scale=w_scale, out_dtype=out_dtype,
+        block_scales=_block(w_group), **norm,
     )  # fmt: skip

@@ -251,12 +251,14 @@ def _fp8_args(op: str, w_group, a_group) -> dict:
 @pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
 @pytest.mark.parametrize(
     "w_group, a_group, label",
-    [((-1, -1), (-1, -1), "cute+fp8"), ((1, -1), (1, -1), "cute+fp8"), ((128, 128), (1, 128), "cute+dequant")],
-)
-def test_fp8_with_row_or_tensor_scales_runs_on_the_codes(op, w_group, a_group, label, monkeypatch):
-    """fp8 per-tensor and per-token recipes (fp8_kernels.serves) run on the fp8 codes, and the choice says
-    so by its label and reason (per expert or channel, per tensor or token); block scales, which change
-    along K, are decoded. Neither allocates a decoded weight in the fp8 case: MAX_BYTES does not apply."""
+    [((-1, -1), (-1, -1), "cute+fp8"), ((1, -1), (1, -1), "cute+fp8"), ((128, 128), (1, 128), "cute+fp8"),
+     ((128, 128), (1, -1), "cute+dequant")],
+)  # fmt: skip
+def test_fp8_recipes_run_on_the_codes(op, w_group, a_group, label, monkeypatch):
+    """fp8 per-tensor, per-token and 128x128-block recipes (fp8_kernels.serves) run on the fp8 codes, and
+    the choice says so by its label and reason (per expert, channel or block; per tensor, token or
+    1x128 group), allocating no decoded weight (MAX_BYTES does not apply); a mix the kernels do not
+    take (block weights with per-token activations) is decoded, where MAX_BYTES declines it here."""
     from cute_kernels import interface
     from lowering import backend
     from moe_ops import dequant_kernels
@@ -266,7 +268,8 @@ def test_fp8_with_row_or_tensor_scales_runs_on_the_codes(op, w_group, a_group, l
     choice = backend._choose(op, getattr(backend, f"{op}_recipe")(_fp8_args(op, w_group, a_group)), torch.device("cuda"))
     if label == "cute+fp8":
         assert (choice.backend, choice.kernel) == (label, backend._KERNELS[op, True]), choice
-        w, a = ("channel" if w_group == (1, -1) else "expert"), ("token" if a_group == (1, -1) else "tensor")
+        w = {(1, -1): "channel", (-1, -1): "expert", (128, 128): "128x128 block"}[w_group]
+        a = {(1, -1): "token", (-1, -1): "tensor", (1, 128): "1x128 group"}[a_group]
         assert choice.reason.startswith(f"fp8 codes multiplied by the kernels' fp8 WGMMA, scaled per {w} and per {a}"), choice.reason
     else:
         assert choice.backend == "reference" and "dequantizing path allocates at most" in choice.reason, choice

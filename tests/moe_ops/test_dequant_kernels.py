@@ -48,12 +48,16 @@ class ReferenceKernels:
         assert bias is None or (bias.shape == w.shape[:2] and bias.is_contiguous())
 
     @staticmethod
-    def _operands(a, a_scale, w, w_scale, out_dtype):
+    def _operands(a, a_scale, w, w_scale, out_dtype, block_scales):
         """grouped_gemm's (a, a_scale, a_dtype, a_group, w, w_scale, w_dtype, w_group, out_dtype) for the
-        interface's operands: 16-bit, or fp8 codes with per-row/per-tensor and per-expert scales."""
+        interface's operands: 16-bit, or fp8 codes with per-row/per-tensor and per-expert/per-row scales,
+        or 1x128 and 128x128 block scales."""
         if a.dtype != torch.float8_e4m3fn:
-            assert a_scale is None and w_scale is None and out_dtype in (None, a.dtype)
+            assert a_scale is None and w_scale is None and out_dtype in (None, a.dtype) and not block_scales
             return a, None, "none", [-1, -1], w, None, "none", [-1, -1], a.dtype
+        if block_scales:
+            assert a_scale.shape == (a.shape[0], -(-a.shape[1] // 128)) and w_scale.shape == (w.shape[0], -(-w.shape[1] // 128), a_scale.shape[1])
+            return a, a_scale, "fp8", [1, 128], w, w_scale, "fp8", [128, 128], out_dtype
         assert a_scale.dtype == w_scale.dtype == torch.float32 and w_scale.numel() in (w.shape[0], w.shape[0] * w.shape[1])
         a_group = [1, -1] if a_scale.numel() > 1 else [-1, -1]
         w_group = [1, -1] if w_scale.numel() > w.shape[0] else [-1, -1]
@@ -61,10 +65,10 @@ class ReferenceKernels:
         return a, a_scale.reshape(-1, 1), "fp8", a_group, w, ws, "fp8", w_group, out_dtype
 
     def gate_up(self, x, w, bias, offsets, gather, *, activation, alpha, limit, gate_layout, out=None, expert_ids=None,
-                a_scale=None, w_scale=None, out_dtype=None):  # fmt: skip
+                a_scale=None, w_scale=None, out_dtype=None, block_scales=False):  # fmt: skip
         self._check(x, w, bias, offsets)
         self.calls.append(("gate_up", w.shape[0]))
-        x, xs, x_dtype, x_group, w, ws, w_dtype, w_group, dtype = self._operands(x, a_scale, w, w_scale, out_dtype)
+        x, xs, x_dtype, x_group, w, ws, w_dtype, w_group, dtype = self._operands(x, a_scale, w, w_scale, out_dtype, block_scales)
         h = grouped_gemm(x, xs, None, x_dtype, x_group, w, ws, None, None, w_dtype, w_group, bias, offsets, gather, dtype)
         h = activation_op(h, activation, alpha, limit, gate_layout == "interleaved")
         out = torch.full_like(h, STALE) if out is None else out
@@ -73,11 +77,11 @@ class ReferenceKernels:
         return out
 
     def down_reduce(self, a, w, bias, offsets, topk_weights, inverse, weights_early=False, norm_weight=None, norm_eps=1e-6,
-                    a_scale=None, w_scale=None, out_dtype=None):  # fmt: skip
+                    a_scale=None, w_scale=None, out_dtype=None, block_scales=False):  # fmt: skip
         self._check(a, w, bias, offsets)
         assert not weights_early  # the decoding right before GEMM2 writes its weights
         self.calls.append(("down_reduce", w.shape[0]))
-        a, as_, a_dtype, a_group, w, ws, w_dtype, w_group, dtype = self._operands(a, a_scale, w, w_scale, out_dtype)
+        a, as_, a_dtype, a_group, w, ws, w_dtype, w_group, dtype = self._operands(a, a_scale, w, w_scale, out_dtype, block_scales)
         y = grouped_gemm(a, as_, None, a_dtype, a_group, w, ws, None, None, w_dtype, w_group, bias, offsets, None, dtype)
         if norm_weight is not None:
             y = post_expert_norm(y, norm_weight, norm_eps)

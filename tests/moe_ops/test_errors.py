@@ -475,7 +475,7 @@ def test_cute_support_reasons(case):
 
 def test_support_table_rows():
     """One row per scheme: the reference serves every scheme on CPU and CUDA; the CuTe DSL kernels
-    (bf16, sm_90) every scheme: fp8_w8a8_per_tensor and _per_token on their fp8 codes (fp8_kernels.py), the other
+    (bf16, sm_90) every scheme: the fp8_w8a8 schemes on their fp8 codes (fp8_kernels.py), the other
     quantized ones on weights decoded per call (dequant_kernels.py), which the cell says. The table's
     fp8 schemes are the ones fp8_kernels serves."""
     from moe_ops import fp8_kernels
@@ -485,14 +485,15 @@ def test_support_table_rows():
     for row in rows:
         scheme, ref_cpu, ref_cuda, cute = (c.strip() for c in row.strip("| ").split(" | "))
         assert ref_cpu == ref_cuda == "yes", row
-        fp8 = scheme in ("fp8_w8a8_per_tensor", "fp8_w8a8_per_token")
+        fp8 = scheme in ("fp8_w8a8_per_tensor", "fp8_w8a8_per_token", "fp8_w8a8_block")
         want = "yes" if scheme == "unquantized" else "yes, fp8 codes" if fp8 else "yes, decoded per call"
         assert cute == want, row
         assert BACKENDS.cute_support(scheme, "cuda", torch.float32, capability=(9, 0)).supported is False
+    # The groups each kind takes in the named schemes (1xG activations and GxG weights: DeepSeek's 128s).
+    groups = {"per-tensor": (-1, -1), "per-row": (1, -1), "1xG": (1, 128), "GxG": (128, 128)}
     for name, (acts, weights) in quant.SCHEMES.items():
-        keys = [(a, w) for a in acts for w in weights if a and w]
-        served = [fp8_kernels.serves(a[0], (-1, -1) if a[1] == "per-tensor" else (1, -1), w[0], (-1, -1) if w[1] == "per-tensor" else (1, -1), torch.bfloat16)
-                  for a, w in keys if {a[1], w[1]} <= {"per-tensor", "per-row"}]  # fmt: skip
+        keys = [(a, w) for a in acts for w in weights if a and w and a[1] in groups and w[1] in groups]
+        served = [fp8_kernels.serves(a[0], groups[a[1]], w[0], groups[w[1]], torch.bfloat16) for a, w in keys]
         assert (name in BACKENDS.CUTE_FP8_SCHEMES) == (bool(served) and all(served)), name
         assert BACKENDS.cute_support(scheme, "cuda", torch.float32, capability=(9, 0)).supported is False
 
