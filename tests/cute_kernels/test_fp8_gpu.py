@@ -36,7 +36,9 @@ def _codes(shape, scale_shape):
 
 
 def _values(codes, scale):
-    return codes.double() * scale.double()
+    """codes with one scale per row (or one per tensor; per expert, [E, ...], for 3-D codes) in float64."""
+    shape = (codes.shape[0], -1, 1) if codes.dim() == 3 else (-1, 1)
+    return codes.double() * scale.double().reshape(shape)
 
 
 def _block_values(codes, scale):
@@ -61,6 +63,48 @@ def _gemm64(a, w, offsets, rows):
     return out
 
 
+def _check_every_tile(interface, activation, layout, bias, scale_shapes, block):
+    """The layer (M = 200, E = 16, k = 3, H = 576, I = 320: K and N not multiples of 128, ragged experts)
+    through gate_up and down_reduce on fp8 codes with every tile shape the kernels take for these scales
+    (_fp8_tile_shapes), against float64. scale_shapes(m, e, n, h, i, rows): the shapes of x's, w13's,
+    w2's and GEMM2's input's scales; block: 1x128 / 128x128 block scales (else per row or per tensor)."""
+    m, e, k, h, i = 200, 16, 3, 576, 320
+    n = i if layout == "none" else 2 * i
+    tw, ti = routing(m, e, k, skew=0.3)
+    offsets, gather, inverse = routing_plan(ti, e, None)
+    rows, valid = gather.shape[0], int(offsets[-1])
+    sx, s13_shape, s2_shape, sa2 = scale_shapes(m, e, n, h, i, rows)
+    w13, s13 = _codes((e, n, h), s13_shape)
+    w2, s2 = _codes((e, h, i), s2_shape)
+    x, xs = _codes((m, h), sx)
+    a2, a2s = _codes((rows, i), sa2)  # GEMM2's input
+    b13 = torch.randn(e, n, device="cuda") if bias else None
+    b2 = torch.randn(e, h, device="cuda", dtype=torch.bfloat16) if bias else None
+    values = _block_values if block else _values
+    pre = _gemm64(values(x, xs), values(w13, s13), offsets, gather)
+    y = _gemm64(values(a2, a2s), values(w2, s2), offsets, torch.arange(rows, device="cuda"))
+    if bias:
+        pre += _pre_bias(b13, offsets, n)
+        y += _pre_bias(b2, offsets, h)
+    want_h = _activation64(pre, activation, layout)
+    want_out = _token_sum64(y, tw, inverse)
+    gate, down = _fp8_tile_shapes(interface, layout, block, bias), _fp8_tile_shapes(interface, "none", block, bias)
+    for j in range(max(len(gate), len(down))):
+        tiles = (gate[j % len(gate)], down[j % len(down)])
+        got_h = torch.full((rows, i), float("nan"), device="cuda", dtype=torch.bfloat16)
+        interface.gate_up(
+            x, w13, b13, offsets, gather, activation=activation, alpha=1.702, limit=7.0, gate_layout=layout, out=got_h,
+            tiles=tiles[0], a_scale=xs, w_scale=s13, out_dtype=torch.bfloat16, block_scales=block,
+        )  # fmt: skip
+        assert not got_h[:valid].isnan().any(), ("gate_up left rows unwritten", tiles)
+        assert rel_err(got_h[:valid], want_h[:valid]) < TOL, (tiles, rel_err(got_h[:valid], want_h[:valid]))
+        got = torch.full((m, h), float("nan"), device="cuda", dtype=torch.bfloat16)
+        interface.down_reduce(a2, w2, b2, offsets, tw, inverse, out=got, tiles=tiles[1], a_scale=a2s, w_scale=s2,
+                              out_dtype=torch.bfloat16, block_scales=block)  # fmt: skip
+        assert not got.isnan().any(), ("down_reduce left elements unwritten", tiles)
+        assert rel_err(got, want_out) < TOL, (tiles, rel_err(got, want_out))
+
+
 CASES = [
     # (activation, layout, bias, per-row activation scales, per-channel weight scales)
     ("silu", "concat", False, True, False),
@@ -71,93 +115,33 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("activation,layout,bias,per_row,per_channel", CASES)
+def test_every_tile_shape(interface, activation, layout, bias, per_row, per_channel):
+    """GEMM1 (gathered codes, scales per token or per tensor, per weight row or per expert) and GEMM2
+    (grouped rows, scales per row; per weight row or per expert), every tile shape. Per-channel scales
+    check each tile kind's map from accumulator to weight row ([gate; up] parts, interleaved pairs, the
+    paired split-K rows)."""
+
+    def shapes(m, e, n, h, i, rows):
+        return (m, 1) if per_row else (1,), (e, n, 1) if per_channel else (e, 1, 1), (e, h) if per_channel else (e,), (rows, 1)
+
+    _check_every_tile(interface, activation, layout, bias, shapes, block=False)
+
+
 BLOCK_CASES = [("silu", "concat", True), ("swigluoai", "interleaved", False), ("relu2", "none", True)]
 
 
 @pytest.mark.parametrize("activation,layout,bias", BLOCK_CASES)
 def test_block_scales_every_tile_shape(interface, activation, layout, bias):
     """Block scales (1x128 activation groups, 128x128 weight blocks: each k-tile's products scaled in the
-    main loop) with every tile shape the kernels take for them (no 128 x 256), ragged experts, K that
-    leaves a half k-tile (576, 320), N not a multiple of 128 (the last weight block partial: 320, 576)."""
-    m, e, k, h, i = 200, 16, 3, 576, 320
-    n = i if layout == "none" else 2 * i
-    kb1, kb2 = -(-h // 128), -(-i // 128)
-    w13, s13 = _codes((e, n, h), (e, -(-n // 128), kb1))
-    w2, s2 = _codes((e, h, i), (e, -(-h // 128), kb2))
-    x, xs = _codes((m, h), (m, kb1))
-    b13 = torch.randn(e, n, device="cuda") if bias else None
-    b2 = torch.randn(e, h, device="cuda", dtype=torch.bfloat16) if bias else None
-    tw, ti = routing(m, e, k, skew=0.3)
-    offsets, gather, inverse = routing_plan(ti, e, None)
-    valid = int(offsets[-1])
-    pre = _gemm64(_block_values(x, xs), _block_values(w13, s13), offsets, gather)
-    if bias:
-        pre += _pre_bias(b13, offsets, n)
-    want_h = _activation64(pre, activation, layout)
-    a2, a2s = _codes((gather.shape[0], i), (gather.shape[0], kb2))
-    y = _gemm64(_block_values(a2, a2s), _block_values(w2, s2), offsets, torch.arange(gather.shape[0], device="cuda"))
-    if bias:
-        y += _pre_bias(b2, offsets, h)
-    want_out = _token_sum64(y, tw, inverse)
-    gate, down = _fp8_tile_shapes(interface, layout, True, bias), _fp8_tile_shapes(interface, "none", True, bias)
-    for j in range(max(len(gate), len(down))):
-        tiles = (gate[j % len(gate)], down[j % len(down)])
-        got_h = torch.full((gather.shape[0], i), float("nan"), device="cuda", dtype=torch.bfloat16)
-        interface.gate_up(
-            x, w13, b13, offsets, gather, activation=activation, alpha=1.702, limit=7.0, gate_layout=layout, out=got_h,
-            tiles=tiles[0], a_scale=xs, w_scale=s13, out_dtype=torch.bfloat16, block_scales=True,
-        )  # fmt: skip
-        assert not got_h[:valid].isnan().any(), ("gate_up left rows unwritten", tiles)
-        assert rel_err(got_h[:valid], want_h[:valid]) < TOL, (tiles, rel_err(got_h[:valid], want_h[:valid]))
-        got = torch.full((m, h), float("nan"), device="cuda", dtype=torch.bfloat16)
-        interface.down_reduce(a2, w2, b2, offsets, tw, inverse, out=got, tiles=tiles[1], a_scale=a2s, w_scale=s2,
-                              out_dtype=torch.bfloat16, block_scales=True)  # fmt: skip
-        assert not got.isnan().any(), ("down_reduce left elements unwritten", tiles)
-        assert rel_err(got, want_out) < TOL, (tiles, rel_err(got, want_out))
+    main loop), every tile shape the kernels take for them (no 128 x 256); the last weight block and the
+    last K block partial."""
 
+    def shapes(m, e, n, h, i, rows):
+        kb1, kb2 = -(-h // 128), -(-i // 128)
+        return (m, kb1), (e, -(-n // 128), kb1), (e, -(-h // 128), kb2), (rows, kb2)
 
-@pytest.mark.parametrize("activation,layout,bias,per_row,per_channel", CASES)
-def test_every_tile_shape(interface, activation, layout, bias, per_row, per_channel):
-    """GEMM1 (gathered codes, scales per token or per tensor, per weight row or per expert) and GEMM2
-    (grouped rows, scales per row; per weight row or per expert) with every tile shape choose_tiles can
-    pick, ragged experts, H and I that leave the last fp8 k-tile half full. Per-channel scales check
-    each tile kind's map from accumulator to weight row ([gate; up] parts, interleaved pairs, the
-    paired split-K rows)."""
-    m, e, k, h, i = 200, 16, 3, 576, 320
-    n = i if layout == "none" else 2 * i
-    w13, s13 = _codes((e, n, h), (e, n, 1) if per_channel else (e, 1, 1))
-    w2, s2 = _codes((e, h, i), (e, h) if per_channel else (e,))
-    x, xs = _codes((m, h), (m, 1) if per_row else (1,))
-    b13 = torch.randn(e, n, device="cuda") if bias else None
-    b2 = torch.randn(e, h, device="cuda", dtype=torch.bfloat16) if bias else None
-    tw, ti = routing(m, e, k, skew=0.3)
-    offsets, gather, inverse = routing_plan(ti, e, None)
-    valid = int(offsets[-1])
-    pre = _gemm64(_values(x, xs), _values(w13, s13), offsets, gather)
-    if bias:
-        pre += _pre_bias(b13, offsets, n)
-    want_h = _activation64(pre, activation, layout)
-    # GEMM2's input: codes with one scale per grouped row.
-    a2, a2s = _codes((gather.shape[0], i), (gather.shape[0], 1))
-    y = _gemm64(_values(a2, a2s), _values(w2, s2.view(e, -1, 1)), offsets, torch.arange(gather.shape[0], device="cuda"))
-    if bias:
-        y += _pre_bias(b2, offsets, h)
-    want_out = _token_sum64(y, tw, inverse)
-    gate, down = _fp8_tile_shapes(interface, layout, False, bias), _fp8_tile_shapes(interface, "none", False, bias)
-    for j in range(max(len(gate), len(down))):
-        tiles = (gate[j % len(gate)], down[j % len(down)])
-        got_h = torch.full((gather.shape[0], i), float("nan"), device="cuda", dtype=torch.bfloat16)
-        interface.gate_up(
-            x, w13, b13, offsets, gather, activation=activation, alpha=1.702, limit=7.0, gate_layout=layout, out=got_h,
-            tiles=tiles[0], a_scale=xs, w_scale=s13, out_dtype=torch.bfloat16,
-        )  # fmt: skip
-        assert not got_h[:valid].isnan().any(), ("gate_up left rows unwritten", tiles)
-        assert rel_err(got_h[:valid], want_h[:valid]) < TOL, (tiles, rel_err(got_h[:valid], want_h[:valid]))
-        got = torch.full((m, h), float("nan"), device="cuda", dtype=torch.bfloat16)
-        interface.down_reduce(a2, w2, b2, offsets, tw, inverse, out=got, tiles=tiles[1], a_scale=a2s, w_scale=s2,
-                              out_dtype=torch.bfloat16)  # fmt: skip
-        assert not got.isnan().any(), ("down_reduce left elements unwritten", tiles)
-        assert rel_err(got, want_out) < TOL, (tiles, rel_err(got, want_out))
+    _check_every_tile(interface, activation, layout, bias, shapes, block=True)
 
 
 def _fp8_tile_shapes(interface, layout, block, bias):
