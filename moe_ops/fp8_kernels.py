@@ -14,9 +14,13 @@ bytes once, as they are stored: half of bf16's, where decoding (dequant_kernels.
 them in bf16 and read them again. Activation scales: per tensor (static or dynamic) or per token
 (dynamic), quantized by moe_ops::quantize exactly as in the op chain, the intermediate likewise.
 
-Numerics: the products of e4m3 codes are exact and accumulate in the tensor cores' fp32 accumulators,
-whose additions of fp8 products keep fewer mantissa bits than IEEE fp32 (on Hopper about 22; DeepSeek-V3's
-report measured the effect over K = 4096 at about 2**-13 relative, well below the bf16 output's 2**-9).
+Numerics: the products of e4m3 codes are exact, but the tensor cores sum fp8 products with less than
+fp32's precision: DeepSeek-V3's report (section 3.3.2) found Hopper's fp8 WGMMA accumulation to keep
+about 14 bits, with relative errors of nearly 2% at worst for K = 4096 in its test. Block scales add
+each 128-element k-tile's sum into fp32 registers (the report's remedy); per-tensor and per-row scales
+accumulate all of K in the tensor cores, as "fast accumulation" fp8 GEMMs do. The GPU tests check both
+against float64 at K <= 576 (bf16 tolerance); the per-tensor/per-row error at K in the thousands has
+not been measured here (bench/NOTES.md v47).
 """
 from __future__ import annotations
 
