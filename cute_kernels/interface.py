@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -383,7 +384,7 @@ def _hint(x: torch.Tensor, gather: torch.Tensor, expert_ids: torch.Tensor | None
 
 
 def _launch_gemm(fn, a, w_parts, out, offsets, gather, bias, n_part, b_stride, hint=None, scales=None):
-    """scales: (a_scale, w_scale, block) of fp8 operands (_fp8_scales), or None. The kernel reads a_scale
+    """scales: Fp8Scales (or a tuple of its fields) of fp8 operands, or None. The kernel reads a_scale
     as [rows, kb] with a row stride of kb (block scales, kb = cdiv(K, 128)), 1 (per row) or 0 (per
     tensor), w_scale as [E, 1, 1] (per expert), [E, N, 1] (per row) or [E, cdiv(N, 128), kb]."""
     num_experts = offsets.shape[0] - 1
@@ -416,8 +417,24 @@ def _int32(*sizes: int) -> tuple[int, ...]:
     return sizes
 
 
-def _fp8_scales(a, w, a_scale, w_scale, out_dtype, block_scales=False) -> tuple[torch.dtype, tuple | None]:
-    """(the output dtype, (a_scale, w_scale, block_scales) or None) of a call: with e4m3 operands (a and
+class Fp8Scales(NamedTuple):
+    """The float32 scales of a call's fp8 operands, as _fp8_scales checked them."""
+
+    a_scale: torch.Tensor
+    w_scale: torch.Tensor
+    block: bool  # 1x128 / 128x128 block scales, applied per k-tile
+
+    @property
+    def kind(self) -> str:
+        """Epilogue.scales of the kernel that takes them."""
+        return "fp8_block" if self.block else "fp8"
+
+    def tensors(self) -> dict:
+        return dict(a_scale=self.a_scale, w_scale=self.w_scale)
+
+
+def _fp8_scales(a, w, a_scale, w_scale, out_dtype, block_scales=False) -> tuple[torch.dtype, Fp8Scales | None]:
+    """(the output dtype, Fp8Scales or None) of a call: with e4m3 operands (a and
     w both float8_e4m3fn) the kernels scale the products by a_scale (float32, one per row of a or one
     per-tensor value) and w_scale (float32, one per expert: [E], [E, 1] or [E, 1, 1]; or one per weight
     row: [E, N] or [E, N, 1]) and write out_dtype (bf16). block_scales: a_scale [rows, kb] per 1x128 group
@@ -446,7 +463,7 @@ def _fp8_scales(a, w, a_scale, w_scale, out_dtype, block_scales=False) -> tuple[
         for name, t, want in (("a_scale", a_scale, (a.shape[0], kb)), ("w_scale", w_scale, (e, nb, kb))):
             if tuple(t.shape) != want:
                 raise ValueError(f"{name}: shape {list(t.shape)}; block scales of K = {a.shape[1]} take {list(want)} (1x128 and 128x128 groups)")
-        return out_dtype, (a_scale, w_scale, True)
+        return out_dtype, Fp8Scales(a_scale, w_scale, True)
     if a_scale.numel() not in (1, a.shape[0]):
         raise ValueError(f"a_scale: {a_scale.numel()} values for {a.shape[0]} rows of a; expected 1 (per-tensor) or one per row")
     if tuple(w_scale.shape) not in ((e,), (e, 1), (e, 1, 1), (e, n), (e, n, 1)):
@@ -454,7 +471,7 @@ def _fp8_scales(a, w, a_scale, w_scale, out_dtype, block_scales=False) -> tuple[
             f"w_scale: shape {list(w_scale.shape)}; expected one scale per expert ([{e}], [{e}, 1] or [{e}, 1, 1]) "
             f"or one per weight row ([{e}, {n}] or [{e}, {n}, 1])"
         )
-    return out_dtype, (a_scale, w_scale, False)
+    return out_dtype, Fp8Scales(a_scale, w_scale, False)
 
 
 def gate_up(
@@ -483,18 +500,19 @@ def gate_up(
         offsets=(offsets, (num_experts + 1,), _INDEX), gather=(gather, (None,), _INDEX),
         out=(out, (gather.shape[0], inter), (dtype,)), **_scale_specs(scales),
     )  # fmt: skip
-    _check_aligned(x=x, w=w, bias=bias, offsets=offsets, gather=gather, out=out, **_scale_tensors(scales))
+    _check_aligned(x=x, w=w, bias=bias, offsets=offsets, gather=gather, out=out, **(scales.tensors() if scales else {}))
     hint = _hint(x, gather, expert_ids)
     _check_support(device_support(x.device))  # last: the checks above hold on any device
     if out is None:
         out = torch.empty(gather.shape[0], inter, dtype=dtype, device=x.device)
     if out.shape[0] == 0:
         return out
-    epi = Epilogue(activation, gate_layout, float(alpha), float(limit), has_bias=bias is not None, scales=_scales_kind(scales))
+    kind = scales.kind if scales else "none"
+    epi = Epilogue(activation, gate_layout, float(alpha), float(limit), has_bias=bias is not None, scales=kind)
     sms = num_sms(x.device.index)
     tiles = tiles or _fp8_tiles(
         choose_tiles(gate_layout, inter, x.shape[0], gather.shape[0] // max(x.shape[0], 1), num_experts, sms, k_dim=hidden),
-        scales, bias is not None,
+        kind, bias is not None,
     )  # fmt: skip
     fn = _gemm(epi, True, dtype, bias.dtype if bias is not None else dtype, sms, *tiles)
     if gate_layout == "concat":
@@ -506,27 +524,18 @@ def gate_up(
     return out
 
 
-def _scale_tensors(scales) -> dict:
-    return {} if scales is None else dict(a_scale=scales[0], w_scale=scales[1])
-
-
-def _scales_kind(scales) -> str:
-    """Epilogue.scales for _fp8_scales' result."""
-    return "none" if scales is None else ("fp8_block" if scales[2] else "fp8")
-
-
-def _fp8_tiles(tiles: tuple[int, int], scales, has_bias: bool) -> tuple[int, int]:
-    """choose_tiles' tiles, narrowed for fp8 operands to 128-row tiles of at most 128 B rows with block
-    scales (their doubled accumulators: MoeGemmSm90) or with a bias (the 128 x 256 tiles' epilogue
-    with per-column weight scales and bias loads spilled registers)."""
-    if scales is not None and (scales[2] or has_bias) and tiles[0] == 128:
+def _fp8_tiles(tiles: tuple[int, int], kind: str, has_bias: bool) -> tuple[int, int]:
+    """choose_tiles' tiles for a kernel of Epilogue.scales `kind`, narrowed for fp8 operands to 128-row
+    tiles of at most 128 B rows with block scales (their doubled accumulators: MoeGemmSm90) or with a
+    bias (the 128 x 256 tiles' epilogue with per-column weight scales and bias loads spilled registers)."""
+    if (kind == "fp8_block" or (kind == "fp8" and has_bias)) and tiles[0] == 128:
         return 128, min(tiles[1], 128)
     return tiles
 
 
-def _scale_specs(scales) -> dict:
+def _scale_specs(scales: Fp8Scales | None) -> dict:
     # Checked flat: their shapes were checked by _fp8_scales; here dtype, contiguity and device.
-    return {name: (t, t.shape, (torch.float32,)) for name, t in _scale_tensors(scales).items()}
+    return {name: (t, t.shape, (torch.float32,)) for name, t in (scales.tensors() if scales else {}).items()}
 
 
 def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None, weights_early=False, norm_weight=None,
@@ -565,7 +574,7 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None
         raise ValueError(f"norm_eps: got {norm_eps}; allowed: > 0")
     _check_aligned(
         a=a, w=w, bias=bias, offsets=offsets, topk_weights=topk_weights, inverse=inverse, out=out, norm_weight=norm_weight,
-        **_scale_tensors(scales),
+        **(scales.tensors() if scales else {}),
     )  # fmt: skip
     _check_support(device_support(a.device))  # last: the checks above hold on any device
     if out is None:
@@ -573,9 +582,10 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None
     if m == 0:
         return out
     y = torch.empty(a.shape[0], hidden, dtype=dtype, device=a.device)
-    epi = Epilogue("none", "none", has_bias=bias is not None, scales=_scales_kind(scales))
+    kind = scales.kind if scales else "none"
+    epi = Epilogue("none", "none", has_bias=bias is not None, scales=kind)
     sms = num_sms(a.device.index)
-    tiles = tiles or _fp8_tiles(choose_tiles("none", hidden, m, k, num_experts, sms, k_dim=inter), scales, bias is not None)
+    tiles = tiles or _fp8_tiles(choose_tiles("none", hidden, m, k, num_experts, sms, k_dim=inter), kind, bias is not None)
     fn = _gemm(epi, False, dtype, bias.dtype if bias is not None else dtype, sms, *tiles, early=bool(weights_early))
     # GEMM2 gathers nothing: inverse stands in for the gather pointer, which this variant never reads.
     _launch_gemm(fn, a, (w, w), y, offsets, inverse, bias, hidden, hidden * inter, scales=scales)
@@ -600,9 +610,8 @@ def variants(dtype=torch.bfloat16, bias_dtypes=(None,), scales: str = "none"):
     128 x 256 tiles where _fp8_tiles narrows them)."""
     out = []
     earlies = (True, False) if scales == "none" else (False,)
-    fp8 = None if scales == "none" else (None, None, scales == "fp8_block")
     for bias in bias_dtypes:
-        allowed = lambda tiles: fp8 is None or _fp8_tiles(tiles, fp8, bias is not None) == tiles  # noqa: E731
+        allowed = lambda tiles: _fp8_tiles(tiles, scales, bias is not None) == tiles  # noqa: E731
         gemm2 = Epilogue("none", "none", has_bias=bias is not None, scales=scales)
         for act in ACTIVATIONS:
             for layout in (("concat", "interleaved") if act in GATED else ("none",)):

@@ -215,11 +215,10 @@ _POINTERS = {
 }
 
 
-def _pointers(op: str, args: dict) -> dict:
+def _pointers(op: str, args: dict, recipe: dict) -> dict:
     names = _POINTERS[op]
-    dtype = args["x"].dtype if op == "gate_up" else args["out_dtype"]
-    if fp8_kernels.serves(args["a_dtype"], args["a_group"], args["w_dtype"], args["w_group"], dtype):
-        names += ("a_scale", "w_scale")  # read by the fp8 kernels' epilogue; the decoder has no such need
+    if _fp8(recipe):
+        names += ("a_scale", "w_scale")  # read by the fp8 kernels; the decoder has no such need
     return {name: args.get(name) for name in names}
 
 
@@ -237,8 +236,10 @@ def _at_run_time(op: str, recipe: dict, device: torch.device, tensors: dict | No
 
 
 def choose_gate_up(args: dict) -> Choice:
-    return _at_run_time("gate_up", gate_up_recipe(args), args["x"].device, _pointers("gate_up", args))
+    recipe = gate_up_recipe(args)
+    return _at_run_time("gate_up", recipe, args["x"].device, _pointers("gate_up", args, recipe))
 
 
 def choose_down_reduce(args: dict) -> Choice:
-    return _at_run_time("down_reduce", down_reduce_recipe(args), args["a"].device, _pointers("down_reduce", args))
+    recipe = down_reduce_recipe(args)
+    return _at_run_time("down_reduce", recipe, args["a"].device, _pointers("down_reduce", args, recipe))

@@ -147,8 +147,8 @@ def test_block_scales_every_tile_shape(interface, activation, layout, bias):
 def _fp8_tile_shapes(interface, layout, block, bias):
     """The tiles the fp8 kernels take for a layout (interface._fp8_tiles: no 128 x 256 with block scales
     or a bias), as variants() lists and CI compiles them."""
-    scales = (None, None, block)
-    return [t for t in interface.tile_shapes(layout) if interface._fp8_tiles(t, scales, bias) == t]
+    kind = "fp8_block" if block else "fp8"
+    return [t for t in interface.tile_shapes(layout) if interface._fp8_tiles(t, kind, bias) == t]
 
 
 def _activation64(h, kind, layout):

@@ -897,16 +897,16 @@ def test_kernels_decline_tensors_off_a_16_byte_boundary(monkeypatch, op, name):
     args["bias"] = torch.empty(args["w"].shape[:2], dtype=args["w"].dtype)  # [E, N], as the weights
     recipe = getattr(backend, f"{op}_recipe")(args)
     cuda = torch.device("cuda")
-    assert backend._choose(op, recipe, cuda, backend._pointers(op, args)).backend == "cute"
+    assert backend._choose(op, recipe, cuda, backend._pointers(op, args, recipe)).backend == "cute"
     args[name] = _off_boundary(args[name])
     assert args[name].data_ptr() % 16 and args[name].is_contiguous()
     assert backend._choose(op, recipe, cuda).backend == "cute"  # explain()'s compile-time choice
     with pytest.warns(UserWarning, match=f"{name}: its address is {args[name].element_size()} bytes past a 16-byte boundary"):
-        choice = backend._at_run_time(op, recipe, cuda, backend._pointers(op, args))
+        choice = backend._at_run_time(op, recipe, cuda, backend._pointers(op, args, recipe))
     assert choice.backend == "reference"
     monkeypatch.setitem(backend.REQUIRE_KERNELS, "value", True)
     with pytest.raises(RuntimeError, match=f"{name}: its address"):
-        backend._choose(op, recipe, cuda, backend._pointers(op, args))
+        backend._choose(op, recipe, cuda, backend._pointers(op, args, recipe))
 
 
 def test_kernel_interface_rejects_misaligned_tensors_before_launching():
