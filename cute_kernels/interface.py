@@ -14,6 +14,8 @@ down_reduce(a [P, I], w [E, H, I], bias [E, H] | None, offsets, topk_weights [M,
     normalized first (norm_token_sum.py).
 Both take fp8 operands too: a (x) and w in float8_e4m3fn with float32 a_scale (per row or per tensor)
 and w_scale (per weight row or per expert), applied to the accumulators; out_dtype bf16 (_fp8_scales).
+Each 128-element k-tile's fp8 products are added to fp32 accumulators (MoeGemmSm90's promotion), so
+the error does not grow with K as the tensor cores' own fp8 accumulation's does.
 """
 from __future__ import annotations
 
@@ -512,7 +514,7 @@ def gate_up(
     sms = num_sms(x.device.index)
     tiles = tiles or _fp8_tiles(
         choose_tiles(gate_layout, inter, x.shape[0], gather.shape[0] // max(x.shape[0], 1), num_experts, sms, k_dim=hidden),
-        kind, bias is not None,
+        kind,
     )  # fmt: skip
     fn = _gemm(epi, True, dtype, bias.dtype if bias is not None else dtype, sms, *tiles)
     if gate_layout == "concat":
@@ -524,11 +526,10 @@ def gate_up(
     return out
 
 
-def _fp8_tiles(tiles: tuple[int, int], kind: str, has_bias: bool) -> tuple[int, int]:
+def _fp8_tiles(tiles: tuple[int, int], kind: str) -> tuple[int, int]:
     """choose_tiles' tiles for a kernel of Epilogue.scales `kind`, narrowed for fp8 operands to 128-row
-    tiles of at most 128 B rows with block scales (their doubled accumulators: MoeGemmSm90) or with a
-    bias (the 128 x 256 tiles' epilogue with per-column weight scales and bias loads spilled registers)."""
-    if (kind == "fp8_block" or (kind == "fp8" and has_bias)) and tiles[0] == 128:
+    tiles of at most 128 B rows: promotion's temporaries double the accumulators (MoeGemmSm90)."""
+    if kind != "none" and tiles[0] == 128:
         return 128, min(tiles[1], 128)
     return tiles
 
@@ -585,7 +586,7 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None
     kind = scales.kind if scales else "none"
     epi = Epilogue("none", "none", has_bias=bias is not None, scales=kind)
     sms = num_sms(a.device.index)
-    tiles = tiles or _fp8_tiles(choose_tiles("none", hidden, m, k, num_experts, sms, k_dim=inter), kind, bias is not None)
+    tiles = tiles or _fp8_tiles(choose_tiles("none", hidden, m, k, num_experts, sms, k_dim=inter), kind)
     fn = _gemm(epi, False, dtype, bias.dtype if bias is not None else dtype, sms, *tiles, early=bool(weights_early))
     # GEMM2 gathers nothing: inverse stands in for the gather pointer, which this variant never reads.
     _launch_gemm(fn, a, (w, w), y, offsets, inverse, bias, hidden, hidden * inter, scales=scales)
@@ -610,8 +611,8 @@ def variants(dtype=torch.bfloat16, bias_dtypes=(None,), scales: str = "none"):
     128 x 256 tiles where _fp8_tiles narrows them)."""
     out = []
     earlies = (True, False) if scales == "none" else (False,)
+    allowed = lambda tiles: _fp8_tiles(tiles, scales) == tiles  # noqa: E731
     for bias in bias_dtypes:
-        allowed = lambda tiles: _fp8_tiles(tiles, scales, bias is not None) == tiles  # noqa: E731
         gemm2 = Epilogue("none", "none", has_bias=bias is not None, scales=scales)
         for act in ACTIVATIONS:
             for layout in (("concat", "interleaved") if act in GATED else ("none",)):

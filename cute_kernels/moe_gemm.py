@@ -116,14 +116,18 @@ READS = {"swigluoai": ("alpha", "limit"), "silu_clamped": ("limit",), "swiglu_so
 # column, one per expert. One kernel for all four: the strides and columns are arguments.
 # "fp8_block": block scales that change along K (DeepSeek-V3's and Qwen3-FP8's: 1x128 groups of A rows,
 # 128x128 blocks of weights): a_scale [rows_a, kb], w_scale [E, cdiv(N, 128), kb] with kb = cdiv(K, 128),
-# one k-tile per K block. Each k-tile's products go to temporary accumulators, which the consumers add
-# to the tile's, scaled by their row's and their weight block's scales for that k-tile (CUTLASS's
-# "promotion"): the WGMMAs of one k-tile then wait for the previous one's scaling, and the temporaries
-# double the accumulators, so the widest tiles (128 x 256) are refused (BLOCK_MAX_ACC).
+# one k-tile per K block, scaled by their row's and their weight block's scales for that k-tile.
+# Promotion (both e4m3 kinds): each k-tile's products go to temporary accumulators, which the consumers
+# add to the tile's fp32 ones (with "fp8_block" scaled first). Hopper's fp8 WGMMA keeps fewer bits than
+# fp32 when it adds into its accumulator, so summing all of K there ("fast accumulation") lost 2.3% of
+# the result at K = 4096 and 9.8% at K = 14336 on same-sign data (bench/fp8_accuracy.py, NOTES v48);
+# 128 products per WGMMA chain keep the error at bf16's rounding. The WGMMAs of one k-tile then wait for
+# the previous one's promotion, and the temporaries double the accumulators, so the widest tiles
+# (128 x 256) are refused (PROMOTE_MAX_ACC).
 SCALES = ("none", "fp8", "fp8_block")
 SCALE_BLOCK = 128
-# fp32 accumulator elements per consumer thread a block-scaled tile may hold, temporaries included.
-BLOCK_MAX_ACC = 128
+# fp32 accumulator elements per consumer thread a promoting (e4m3) tile may hold, temporaries included.
+PROMOTE_MAX_ACC = 128
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,8 @@ class Epilogue:
     activation: "none" (store), or a GATED kind, or relu2.
     gate_layout: "concat" ([gate; up] as two B parts), "interleaved" (pairs of columns) or "none".
     scales: "none" (bf16/fp16 operands), "fp8" (e4m3 operands, the accumulators scaled first) or
-    "fp8_block" (e4m3 operands, each k-tile's products scaled in the main loop): SCALES."""
+    "fp8_block" (e4m3 operands, each k-tile's products scaled in the main loop): SCALES. Both e4m3
+    kinds add each k-tile's products to fp32 accumulators in the main loop (promotion)."""
 
     activation: str = "none"
     gate_layout: str = "none"
@@ -262,6 +267,7 @@ class MoeGemmSm90:
         # 128-byte rows, so the stages, swizzles and 16-byte chunks are the same bytes.
         self.operand_bytes = 2 if epilogue.scales == "none" else 1
         self.block = epilogue.scales == "fp8_block"
+        self.promote = epilogue.scales != "none"
         self.tile_k = self.ROW_BYTES // self.operand_bytes
         self.staged = not gather and not self.swap
         self.epi = epilogue
@@ -281,7 +287,7 @@ class MoeGemmSm90:
         # leaving the tensor cores idle while they store (bench/NOTES.md v36: deepseek M = 8192 2-2.5%
         # faster). Not with biases: their loads would then wait before the next tile's first WGMMAs
         # (gpt-oss's recipe 2-3% slower).
-        self.defer = self.tma_a and not epilogue.has_bias and not self.block
+        self.defer = self.tma_a and not epilogue.has_bias and not self.promote
         if self.defer:
             # The packed outputs live beside the next tile's accumulators; the producer is one TMA
             # thread, which needs fewer registers than the gathering producers of other variants.
@@ -334,14 +340,14 @@ class MoeGemmSm90:
                 f"tile_n={tile_n} with tile_m={tile_m} gives each warpgroup {self.wg_out_n} columns; without gather "
                 "(staged stores) that must be a multiple of 32"
             )
-        if self.block:
+        if self.promote:
             # Per consumer thread: a 64-row slice of each part (swapped: 64 weight rows x 16 tokens), doubled.
             per_part = 64 * (self.tile_m if self.swap else self.part_n // self.wg_grid[1]) // 128
             acc = 2 * per_part * (self.num_parts if not self.wg_part else 1)
-            if acc > BLOCK_MAX_ACC:
+            if acc > PROMOTE_MAX_ACC:
                 raise ValueError(
-                    f"tile_m={tile_m}, tile_n={tile_n} with block scales: {acc} fp32 accumulators per thread with the "
-                    f"temporaries; at most {BLOCK_MAX_ACC} fit beside the rest (tile_n 128 for 128-row tiles)"
+                    f"tile_m={tile_m}, tile_n={tile_n} with e4m3 operands: {acc} fp32 accumulators per thread with the "
+                    f"promotion's temporaries; at most {PROMOTE_MAX_ACC} fit beside the rest (tile_n 128 for 128-row tiles)"
                 )
         # A tile + B parts per stage, 128-byte rows; the rest of shared memory is the epilogue's
         # staging buffers and barriers.
@@ -853,9 +859,9 @@ class MoeGemmSm90:
             tCcC = thr_mma.partition_C(cC)
             acc0 = cute.make_rmem_tensor(tCcC.shape, Float32)
             acc1 = cute.make_rmem_tensor(tCcC.shape, Float32)
-            # The WGMMAs' destinations: the accumulators, or with block scales a k-tile's temporaries.
+            # The WGMMAs' destinations: the accumulators, or with e4m3 operands a k-tile's temporaries.
             c0, c1 = acc0, acc1
-            if const_expr(self.block):
+            if const_expr(self.promote):
                 c0 = cute.make_rmem_tensor(tCcC.shape, Float32)
                 c1 = cute.make_rmem_tensor(tCcC.shape, Float32) if self.num_parts == 2 and not self.wg_part else c0
             # The B part a swapped [gate; up] warpgroup's acc0 holds before the hand-over.
@@ -888,8 +894,8 @@ class MoeGemmSm90:
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.fence()
                     for kt in range(k_tiles):
-                        if const_expr(self.block):
-                            # The temporaries were read by the last k-tile's scaling (ordinary
+                        if const_expr(self.promote):
+                            # The temporaries were read by the last k-tile's promotion (ordinary
                             # instructions) before these WGMMAs overwrite them.
                             warpgroup.fence()
                         if const_expr(not self.tma_a):
@@ -908,7 +914,7 @@ class MoeGemmSm90:
                             if const_expr(self.k_split):
                                 # This warpgroup's half of the stage's k-blocks.
                                 coord = (None, None, kb + (wg_idx - 1) * (num_k_blocks // 2), read.index)
-                            if const_expr(self.block):
+                            if const_expr(self.promote):
                                 # A k-tile's first WGMMA overwrites the temporaries (no zeroing: zeros
                                 # written by ordinary instructions made ptxas serialise the WGMMAs).
                                 tiled_mma.set(warpgroup.Field.ACCUMULATE, kb > 0)
@@ -927,11 +933,15 @@ class MoeGemmSm90:
                                 if kt == cutlass.min(q, k_tiles - 1):
                                     if p_rows_left > 0:
                                         self._store_packed(packed, tCcC, mC, p_row0, p_rows_left, p_col0, n_out, sEpi, sDest, q, q + 1)
-                        if const_expr(self.block):
-                            # This k-tile's scales load under its WGMMAs; then its products join the sums.
-                            scales = self._block_scales(tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0], kt, part0)
-                            warpgroup.wait_group(0)
-                            self._promote(acc0, acc1, c0, c1, scales)
+                        if const_expr(self.promote):
+                            # This k-tile's products join the fp32 sums; block scales load under its WGMMAs.
+                            if const_expr(self.block):
+                                scales = self._block_scales(tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0], kt, part0)
+                                warpgroup.wait_group(0)
+                                self._promote(acc0, acc1, c0, c1, scales)
+                            else:
+                                warpgroup.wait_group(0)
+                                self._promote(acc0, acc1, c0, c1, None)
                         else:
                             # Keep one k-tile of WGMMAs in flight; free the buffer of the one before it.
                             warpgroup.wait_group(1)
@@ -1051,12 +1061,19 @@ class MoeGemmSm90:
 
     @cute.jit
     def _promote(self, acc0, acc1, tmp0, tmp1, scales):
-        """fp8_block: acc += tmp * (A scale x weight scale), element by element (_block_scales' order)."""
-        a, ws = scales
-        if const_expr(self.swap):
+        """acc += tmp (e4m3 operands), times (A scale x weight scale) with block scales (_block_scales'
+        order), element by element."""
+        if const_expr(scales is None):
+            for p in cutlass.range_constexpr(self.num_parts if not self.swap else 1):
+                acc, tmp = (acc0, acc1)[p], (tmp0, tmp1)[p]
+                for i in cutlass.range_constexpr(cute.size(acc0)):
+                    acc[i] = acc[i] + tmp[i]
+        elif const_expr(self.swap):
+            a, ws = scales
             for i in cutlass.range_constexpr(cute.size(acc0)):
                 acc0[i] = acc0[i] + tmp0[i] * (a[i] * ws[0][i])
         else:
+            a, ws = scales
             accs, tmps = (acc0, acc1), (tmp0, tmp1)
             for p in cutlass.range_constexpr(self.num_parts):
                 for b in cutlass.range_constexpr(cute.size(acc0) // 4):

@@ -104,6 +104,9 @@ def test_moe_gemm_variant(variant, tmp_path):
     wgmma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n(\d+){shape}", ptx)
     assert wgmma and {n for n, _ in wgmma} == {str(kernel.tile_m if kernel.swap else kernel.part_n // kernel.wg_grid[1])}
     assert kernel.tile_k == (128 if fp8 else 64)
+    # e4m3: every k-tile's WGMMAs are waited for and their sums added to the fp32 accumulators
+    # (promotion); 16-bit operands keep one k-tile of WGMMAs in flight.
+    assert bool(re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)) == (not fp8)
     assert "wgmma.fence" in ptx and "wgmma.commit_group" in ptx and "wgmma.wait_group" in ptx
     # Weights by TMA (the compiler may duplicate the load loop's body, so count per part): 3-d
     # (K, rows, expert), or 5-d for paired gate/up rows (K, 8 rows, gate/up, blocks, expert).
@@ -136,8 +139,8 @@ def test_moe_gemm_variant(variant, tmp_path):
     assert bool(re.search(r"bar\.sync\s+%r\d+, 128;", ptx)) == kernel.zero_pad
     # GEMM2's 128-row tiles without biases keep a tile's packed outputs beside the next tile's
     # accumulators (deferred stores): their consumers take more registers, the one-thread producer fewer.
-    # Not with block scales: their temporaries take the registers the packed outputs would.
-    assert kernel.defer == (kernel.tma_a and not epi.has_bias and epi.scales != "fp8_block")
+    # Not with e4m3 operands: promotion's temporaries take the registers the packed outputs would.
+    assert kernel.defer == (kernel.tma_a and not epi.has_bias and epi.scales == "none")
     regs = (40, 232) if kernel.defer else (56, 224)
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{regs[0]};", ptx)
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{regs[1]};", ptx)
