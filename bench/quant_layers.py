@@ -25,9 +25,11 @@ CASES = {
     "qwen3-fp8-per-tensor-static": ((128, 8, 2048, 768), QuantScheme(ActivationQuant("fp8", GroupShape(-1, -1), static=True), WeightQuant("fp8", GroupShape(-1, -1)))),
     "qwen3-fp8-per-token": ((128, 8, 2048, 768), QuantScheme(ActivationQuant("fp8", GroupShape(1, -1)), WeightQuant("fp8", GroupShape(1, -1)))),
     "mixtral-fp8-per-tensor": ((8, 2, 4096, 14336), QuantScheme(ActivationQuant("fp8", GroupShape(-1, -1)), WeightQuant("fp8", GroupShape(-1, -1)))),
+    "gpt-oss-fp8-per-token": ((128, 4, 2880, 2880), QuantScheme(ActivationQuant("fp8", GroupShape(1, -1)), WeightQuant("fp8", GroupShape(1, -1)))),
     # The unquantized layers of the same shapes, for comparison.
     "qwen3-bf16": ((128, 8, 2048, 768), None),
     "mixtral-bf16": ((8, 2, 4096, 14336), None),
+    "gpt-oss-bf16": ((128, 4, 2880, 2880), None),
 }  # fmt: skip
 
 

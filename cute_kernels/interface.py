@@ -512,10 +512,8 @@ def gate_up(
     kind = scales.kind if scales else "none"
     epi = Epilogue(activation, gate_layout, float(alpha), float(limit), has_bias=bias is not None, scales=kind)
     sms = num_sms(x.device.index)
-    tiles = tiles or _fp8_tiles(
-        choose_tiles(gate_layout, inter, x.shape[0], gather.shape[0] // max(x.shape[0], 1), num_experts, sms, k_dim=hidden),
-        kind,
-    )  # fmt: skip
+    rule = choose_fp8_tiles if scales else choose_tiles
+    tiles = tiles or rule(gate_layout, inter, x.shape[0], gather.shape[0] // max(x.shape[0], 1), num_experts, sms, k_dim=hidden)
     fn = _gemm(epi, True, dtype, bias.dtype if bias is not None else dtype, sms, *tiles)
     if gate_layout == "concat":
         # The up rows of each expert start I rows after its gate rows; the kernel reads both as parts.
@@ -526,11 +524,34 @@ def gate_up(
     return out
 
 
-def _fp8_tiles(tiles: tuple[int, int], kind: str) -> tuple[int, int]:
-    """choose_tiles' tiles for a kernel of Epilogue.scales `kind`, narrowed for fp8 operands to 128-row
-    tiles of at most 128 B rows: promotion's temporaries double the accumulators (MoeGemmSm90)."""
-    if kind != "none" and tiles[0] == 128:
-        return 128, min(tiles[1], 128)
+def fp8_tile_shapes(gate_layout: str) -> list[tuple[int, int]]:
+    """The (tile_m, tile_n) the fp8 kernels take for a layout: tile_shapes' but the 128-row tiles of more
+    than 128 B rows (promotion's temporaries double the accumulators: MoeGemmSm90)."""
+    return [t for t in tile_shapes(gate_layout) if not (t[0] == 128 and t[1] > 128)]
+
+
+# choose_tiles' choice -> the fp8 kernels', keyed on (gated GEMM1, choice), from bench/tile_sweep.py
+# --fp8 on an H200 (the GEMM alone in a CUDA graph, µs) and checked on whole layers against plain
+# narrowing to 128 x 128 (bench/fp8_rule_ab.py: M = 1024 2-8% faster, M = 8192 -4% to +1%; NOTES v49).
+FP8_TILES = {
+    # 128 x 256 is not taken. Gated GEMM1: 64 x 256 (mixtral M = 1024 523 against 128 x 128's 556,
+    # qwen3 127 against 133); GEMM2: 128 x 128 (mixtral M = 1024 259 against 64 x 256's 300).
+    (True, (128, 256)): (64, 256),
+    (False, (128, 256)): (128, 128),
+}
+# GEMM2's 64 x 64 tiles, chosen for bf16 to pad n_out least, with more than SWAP_ROWS rows per expert:
+# 64 x 128 (gpt-oss M = 1024 315 against 376, mixtral M = 128 120 against 128). With fewer rows 64 x 64
+# stays (mixtral M = 1: 39 against 45).
+FP8_WIDE_GEMM2 = {(64, 64): (64, 128)}
+
+
+def choose_fp8_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int, *, k_dim: int) -> tuple[int, int]:
+    """choose_tiles for the fp8 kernels (one of fp8_tile_shapes): its choice where the fp8 kernels take
+    it and measured no slower, else FP8_TILES' or FP8_WIDE_GEMM2's."""
+    tiles = choose_tiles(gate_layout, n_out, m, k, num_experts, sms, k_dim=k_dim)
+    tiles = FP8_TILES.get((gate_layout != "none", tiles), tiles)
+    if gate_layout == "none" and _rows_per_expert(m * k, num_experts)[1] > SWAP_ROWS:
+        tiles = FP8_WIDE_GEMM2.get(tiles, tiles)
     return tiles
 
 
@@ -586,7 +607,7 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None
     kind = scales.kind if scales else "none"
     epi = Epilogue("none", "none", has_bias=bias is not None, scales=kind)
     sms = num_sms(a.device.index)
-    tiles = tiles or _fp8_tiles(choose_tiles("none", hidden, m, k, num_experts, sms, k_dim=inter), kind)
+    tiles = tiles or (choose_fp8_tiles if scales else choose_tiles)("none", hidden, m, k, num_experts, sms, k_dim=inter)
     fn = _gemm(epi, False, dtype, bias.dtype if bias is not None else dtype, sms, *tiles, early=bool(weights_early))
     # GEMM2 gathers nothing: inverse stands in for the gather pointer, which this variant never reads.
     _launch_gemm(fn, a, (w, w), y, offsets, inverse, bias, hidden, hidden * inter, scales=scales)
@@ -607,18 +628,18 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None
 def variants(dtype=torch.bfloat16, bias_dtypes=(None,), scales: str = "none"):
     """Every (epilogue, gather, bias dtype, tile_m, tile_n, early weights) the fused ops can request
     (see choose_tiles) for outputs in `dtype`, with operands in dtype (scales "none") or in fp8 (scales
-    "fp8" or "fp8_block": the quantized path's GEMMs, whose GEMM2 never loads weights early; without the
-    128 x 256 tiles where _fp8_tiles narrows them)."""
+    "fp8" or "fp8_block": the quantized path's GEMMs, whose GEMM2 never loads weights early, in the
+    tiles of fp8_tile_shapes)."""
     out = []
     earlies = (True, False) if scales == "none" else (False,)
-    allowed = lambda tiles: _fp8_tiles(tiles, scales) == tiles  # noqa: E731
+    shapes = tile_shapes if scales == "none" else fp8_tile_shapes
     for bias in bias_dtypes:
         gemm2 = Epilogue("none", "none", has_bias=bias is not None, scales=scales)
         for act in ACTIVATIONS:
             for layout in (("concat", "interleaved") if act in GATED else ("none",)):
                 epi = Epilogue(act, layout, has_bias=bias is not None, scales=scales)
-                out += [(epi, True, bias or dtype, *tiles, False) for tiles in tile_shapes(layout) if allowed(tiles)]
-        out += [(gemm2, False, bias or dtype, *tiles, early) for tiles in tile_shapes("none") for early in earlies if allowed(tiles)]
+                out += [(epi, True, bias or dtype, *tiles, False) for tiles in shapes(layout)]
+        out += [(gemm2, False, bias or dtype, *tiles, early) for tiles in shapes("none") for early in earlies]
     return out
 
 

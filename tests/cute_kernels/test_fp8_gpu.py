@@ -66,7 +66,7 @@ def _gemm64(a, w, offsets, rows):
 def _check_every_tile(interface, activation, layout, bias, scale_shapes, block):
     """The layer (M = 200, E = 16, k = 3, H = 576, I = 320: K and N not multiples of 128, ragged experts)
     through gate_up and down_reduce on fp8 codes with every tile shape the kernels take for these scales
-    (_fp8_tile_shapes), against float64. scale_shapes(m, e, n, h, i, rows): the shapes of x's, w13's,
+    (fp8_tile_shapes), against float64. scale_shapes(m, e, n, h, i, rows): the shapes of x's, w13's,
     w2's and GEMM2's input's scales; block: 1x128 / 128x128 block scales (else per row or per tensor)."""
     m, e, k, h, i = 200, 16, 3, 576, 320
     n = i if layout == "none" else 2 * i
@@ -88,7 +88,7 @@ def _check_every_tile(interface, activation, layout, bias, scale_shapes, block):
         y += _pre_bias(b2, offsets, h)
     want_h = _activation64(pre, activation, layout)
     want_out = _token_sum64(y, tw, inverse)
-    gate, down = _fp8_tile_shapes(interface, layout, block), _fp8_tile_shapes(interface, "none", block)
+    gate, down = interface.fp8_tile_shapes(layout), interface.fp8_tile_shapes("none")
     for j in range(max(len(gate), len(down))):
         tiles = (gate[j % len(gate)], down[j % len(down)])
         got_h = torch.full((rows, i), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -144,13 +144,6 @@ def test_block_scales_every_tile_shape(interface, activation, layout, bias):
     _check_every_tile(interface, activation, layout, bias, shapes, block=True)
 
 
-def _fp8_tile_shapes(interface, layout, block):
-    """The tiles the fp8 kernels take for a layout (interface._fp8_tiles: no 128 x 256), as variants()
-    lists and CI compiles them."""
-    kind = "fp8_block" if block else "fp8"
-    return [t for t in interface.tile_shapes(layout) if interface._fp8_tiles(t, kind) == t]
-
-
 @pytest.mark.parametrize("gemm,k_dim", [("down_reduce", 14336), ("gate_up", 7168)])
 def test_error_does_not_grow_with_k(interface, gemm, k_dim):
     """Long reductions (mixtral's I, DeepSeek-V3's H) of same-sign products, whose partial sums grow
@@ -167,7 +160,7 @@ def test_error_does_not_grow_with_k(interface, gemm, k_dim):
         mine = ids[:, 0] == j
         want[mine] = _values(x[mine], xs[mine]) @ _values(w[j], ws[j]).T
     layout = "none"
-    for tiles in _fp8_tile_shapes(interface, layout, block=False):
+    for tiles in interface.fp8_tile_shapes(layout):
         if gemm == "gate_up":
             got = interface.gate_up(
                 x, w, None, offsets, gather, activation="relu2", alpha=1.702, limit=7.0, gate_layout=layout, tiles=tiles,

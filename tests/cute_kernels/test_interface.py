@@ -277,6 +277,38 @@ def test_choose_tiles_with_no_tile_of_two_waves_takes_the_most_tiles():
     assert interface.choose_tiles("none", 4224, 512, 1, 8, 132, k_dim=2048) == (128, 128)
 
 
+@pytest.mark.parametrize("layout", ["concat", "interleaved", "none"])
+def test_fp8_tiles_are_ones_the_fp8_kernels_take(layout):
+    """choose_fp8_tiles picks among fp8_tile_shapes (the fp8 variants CI compiles: no 128 x 256) at every
+    benchmark shape and a sweep of token counts, and differs from choose_tiles only where FP8_TILES or
+    FP8_WIDE_GEMM2 say (128 x 256 replaced; GEMM2's 64 x 64 widened past SWAP_ROWS rows per expert)."""
+    from moe_ops.bench import SHAPES
+
+    allowed = interface.fp8_tile_shapes(layout)
+    assert (128, 256) not in allowed and set(allowed) < set(interface.tile_shapes(layout))
+    for e, k, h, i in SHAPES.values():
+        n_out, k_dim = (h, i) if layout == "none" else (i, h)
+        for m in (0, 1, 3, 16, 100, 128, 1024, 4000, 8192):
+            bf16 = interface.choose_tiles(layout, n_out, m, k, e, 132, k_dim=k_dim)
+            fp8 = interface.choose_fp8_tiles(layout, n_out, m, k, e, 132, k_dim=k_dim)
+            assert fp8 in allowed, (layout, e, m, fp8)
+            if fp8 != bf16:
+                wide = interface._rows_per_expert(m * k, e)[1] > interface.SWAP_ROWS and layout == "none"
+                assert fp8 == interface.FP8_TILES.get((layout != "none", bf16)) or (wide and fp8 == interface.FP8_WIDE_GEMM2[bf16])
+
+
+def test_fp8_tile_rule_cases():
+    """The measured cases behind the fp8 table (bench/NOTES.md v49): mixtral M = 1024's gated GEMM1 takes
+    64 x 256 where bf16 takes 128 x 256, its GEMM2 128 x 128; gpt-oss M = 1024's GEMM2 64 x 128 where bf16
+    pads least with 64 x 64; mixtral M = 1's GEMM2 keeps 64 x 64."""
+    assert interface.choose_tiles("concat", 14336, 1024, 2, 8, 132, k_dim=4096) == (128, 256)
+    assert interface.choose_fp8_tiles("concat", 14336, 1024, 2, 8, 132, k_dim=4096) == (64, 256)
+    assert interface.choose_fp8_tiles("none", 4096, 1024, 2, 8, 132, k_dim=14336) == (128, 128)
+    assert interface.choose_tiles("none", 2880, 1024, 4, 128, 132, k_dim=2880) == (64, 64)
+    assert interface.choose_fp8_tiles("none", 2880, 1024, 4, 128, 132, k_dim=2880) == (64, 128)
+    assert interface.choose_fp8_tiles("none", 4096, 1, 2, 8, 132, k_dim=14336) == (64, 64)
+
+
 def test_choose_tiles_at_zero_tokens():
     """choose_tiles is defined at M = 0 (one active expert assumed), whatever the layout and K."""
     for layout in ("concat", "interleaved", "none"):
