@@ -1,11 +1,10 @@
 """python bench/fp8_rule_ab.py CASE ...: an fp8 layer of bench/quant_layers.py with two tile rules in one
-process, as CUDA graphs whose replays alternate (5 rounds of 10): "old", choose_tiles with its 128-row
-tiles narrowed to 128 x 128 (e439cd7), and "new", interface.choose_fp8_tiles. µs per call, median.
-Alternating matters at large M: a sweep that times one tile after another hands the first ones a cooler,
-faster GPU (bench/NOTES.md v49)."""
+process, as CUDA graphs whose replays alternate (moe_ops.bench.alternating_times_us, 5 rounds of 10):
+"old", choose_tiles with its 128-row tiles narrowed to 128 x 128 (e439cd7), and "new",
+interface.choose_fp8_tiles. µs per call, median. Alternating matters at large M: a sweep that times one
+tile after another hands the first ones a cooler, faster GPU (bench/NOTES.md v49)."""
 from __future__ import annotations
 
-import statistics
 import sys
 import warnings
 
@@ -39,16 +38,14 @@ def run(name: str) -> None:
     try:
         for m in (1, 16, 128, 1024, 8192):
             x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
-            graphs = {}
-            for label, rule in (("old", old), ("new", new)):
-                # The launchers look the rule up per call; the graph keeps the kernels captured with it.
+
+            def call(rule, x=x):
+                # The launchers look the rule up per call; a graph keeps the kernels captured with it.
                 interface.choose_fp8_tiles = rule
-                graphs[label] = bench.capture(lambda: layer(x))  # noqa: B023 (captured at once)
-            times = {label: [] for label in graphs}
-            for _ in range(5):
-                for label, graph in graphs.items():
-                    times[label] += bench.replay_times_us(graph, 10, 2)
-            o, n = statistics.median(times["old"]), statistics.median(times["new"])
+                return layer(x)
+
+            us = bench.alternating_times_us({"old": lambda: call(old), "new": lambda: call(new)}, rounds=5, replays=10)
+            o, n = us["old"], us["new"]
             print(f"{name} M={m}: old {o:.1f} new {n:.1f} ({(n / o - 1) * 100:+.1f}%)", flush=True)
     finally:
         interface.choose_fp8_tiles = new

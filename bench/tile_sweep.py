@@ -10,7 +10,7 @@ import sys
 import torch
 
 from cute_kernels import interface
-from moe_ops.bench import SHAPES, TOKENS, expert_weights, graph_time_us, layer_inputs
+from moe_ops.bench import SHAPES, TOKENS, alternating_times_us, expert_weights, graph_time_us, layer_inputs
 from moe_ops.plan import routing_plan
 
 
@@ -65,16 +65,17 @@ def main(tokens, fp8: bool) -> None:
                     {"a_scale": torch.rand(m, 1, device="cuda") * 1e-2, "w_scale": s13, "out_dtype": torch.bfloat16},
                     {"a_scale": torch.rand(m * k, 1, device="cuda") * 1e-2, "w_scale": s2, "out_dtype": torch.bfloat16},
                 )
-            gu = {
-                tiles: graph_time_us(lambda: interface.gate_up(
+            # Each tile's graph, replayed in turn with the others (alternating_times_us).
+            gu = alternating_times_us({
+                tiles: lambda tiles=tiles: interface.gate_up(
                     x, w13, None, offsets, gather, activation="silu", alpha=1.702, limit=7.0,
-                    gate_layout="concat", out=inter, tiles=tiles, **fp8_args[0]), 30)
+                    gate_layout="concat", out=inter, tiles=tiles, **fp8_args[0])
                 for tiles in tiles_of("concat")
-            }  # fmt: skip
-            dr = {
-                tiles: graph_time_us(lambda: interface.down_reduce(a2, w2, None, offsets, tw, inverse, tiles=tiles, **fp8_args[1]), 30)
+            })  # fmt: skip
+            dr = alternating_times_us({
+                tiles: lambda tiles=tiles: interface.down_reduce(a2, w2, None, offsets, tw, inverse, tiles=tiles, **fp8_args[1])
                 for tiles in tiles_of("none")
-            }
+            })  # fmt: skip
             rule = tuple(
                 rule_of(layout, n, m, k, e, sms, k_dim=kd)
                 for layout, n, kd in (("concat", i, h), ("none", h, i))

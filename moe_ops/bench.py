@@ -102,6 +102,19 @@ def graph_time_us(fn, replays: int, warmup: int = 5) -> float:
     return statistics.median(replay_times_us(capture(fn), replays, warmup))
 
 
+def alternating_times_us(fns: dict, rounds: int = 6, replays: int = 5) -> dict:
+    """{key: median µs of one replay} for CUDA graphs of each fns[key](), all captured first, then
+    replayed in turn, `replays` each per round: at a power-capped large M a variant timed after
+    another meets a hotter, slower GPU, which timing one after the other charges to the later ones
+    (bench/NOTES.md v49)."""
+    graphs = {key: capture(fn) for key, fn in fns.items()}
+    times = {key: [] for key in graphs}
+    for _ in range(rounds):
+        for key, graph in graphs.items():
+            times[key] += replay_times_us(graph, replays, 1)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
 def graph_inputs(name: str, m: int, calls: int = GRAPH_CALLS, device="cuda") -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """`calls` sets of layer_inputs(name, m); where M*k <= E/4 each routes to experts the one before
     does not use (the last also avoids the first's: the graph replays in a loop), so that consecutive
