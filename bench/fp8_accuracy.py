@@ -1,12 +1,14 @@
-"""python bench/fp8_accuracy.py [--k 512 2048 ...]: the error of the fp8 grouped GEMM against float64 as
+"""python bench/fp8_accuracy.py [--k 512 2048 ...]: the error of the fp8 grouped GEMMs against float64 as
 the reduction length K grows, on an sm_90 GPU.
 
-The per-tensor / per-row fp8 kernels sum all of K in the tensor cores' fp8 accumulator ("fast
-accumulation", which keeps fewer bits than fp32); the block-scale kernels add each 128-element k-tile's
-products into fp32 registers. Both run down_reduce (k = 1, so the output is the GEMM's rows) on the same
-e4m3 codes with per-row activation scales and per-expert weight scales, which block scales can express
-too; the bf16 kernel runs on the same codes decoded to bf16 (exact), unscaled. Each error is the norm
-of (kernel - float64) over the norm of float64, next to the bf16 output's own rounding ("floor").
+Hopper's fp8 WGMMA adds into its accumulator with fewer bits than fp32, so summing all of K there ("fast
+accumulation") loses accuracy as K grows; the kernels add each 128-element k-tile's products to fp32
+registers instead (promotion; before e439cd7 the per-row/per-tensor kernels did not, bench/NOTES.md
+v48). Both fp8 kernels, per row ("fp8 row": per-row activation and per-expert weight scales) and with
+block scales ("fp8 block": the same scales as 1x128 and 128x128 blocks), run down_reduce (k = 1, so the
+output is the GEMM's rows) on the same e4m3 codes; the bf16 kernel runs on the codes decoded to bf16
+(exact), unscaled. Each error is the norm of (kernel - float64) over the norm of float64, next to the
+bf16 output's own rounding ("floor").
 
 Data: "centred" codes are zero-mean, so partial sums stay near sqrt(K) products; "positive" codes (all
 activations >= 0, weights with mean 1/2 of their spread) let partial sums grow with K, the hard case
@@ -38,7 +40,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def measure(k: int, data: str, m: int, n: int, e: int) -> dict[str, float]:
-    """Errors of the fp8 (fast accumulation), fp8 block-scale and bf16 kernels for one K (see module)."""
+    """Errors of the per-row fp8, block-scale fp8 and bf16 kernels for one K (see module)."""
     make_a, make_w = DATA[data]
     a, w = codes(make_a((m, k))), codes(make_w((e, n, k)))
     a_row = torch.rand(m, 1, device="cuda") * 0.01 + 0.001
@@ -59,14 +61,14 @@ def measure(k: int, data: str, m: int, n: int, e: int) -> dict[str, float]:
     ref = ref_codes * a_row.double() * w_exp.double()[expert, None]
     kb, nb = -(-k // 128), -(-n // 128)
     common = dict(offsets=offsets, topk_weights=topk_weights, inverse=inverse, out_dtype=torch.bfloat16)
-    fast = interface.down_reduce(grouped, w, None, a_scale=a_scale, w_scale=w_exp, **common)
+    row = interface.down_reduce(grouped, w, None, a_scale=a_scale, w_scale=w_exp, **common)
     block = interface.down_reduce(
         grouped, w, None, a_scale=a_scale.expand(m, kb).contiguous(),
         w_scale=w_exp[:, None, None].expand(e, nb, kb).contiguous(), block_scales=True, **common,
     )  # fmt: skip
     plain = interface.down_reduce(grouped.to(torch.bfloat16), w.to(torch.bfloat16), None, offsets, topk_weights, inverse)
     return {
-        "fp8 fast": rel_err(fast, ref),
+        "fp8 row": rel_err(row, ref),
         "fp8 block": rel_err(block, ref),
         "bf16": rel_err(plain, ref_codes),
         "floor": rel_err(ref.to(torch.bfloat16), ref),
@@ -82,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; M={args.m} N={args.n} E={args.experts}")
-    print(f"{'data':<9} {'K':>6} " + " ".join(f"{name:>10}" for name in ("fp8 fast", "fp8 block", "bf16", "floor")))
+    print(f"{'data':<9} {'K':>6} " + " ".join(f"{name:>10}" for name in ("fp8 row", "fp8 block", "bf16", "floor")))
     for data in DATA:
         for k in args.k:
             errs = measure(k, data, args.m, args.n, args.experts)
