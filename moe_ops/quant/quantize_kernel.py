@@ -1,6 +1,7 @@
 """moe_ops::quantize on CUDA in Triton, for fp8 and int8: per-token and per-token-group (dynamic: amax /
 448 or / 127 per group) and static per-tensor scales in one launch; per-tensor dynamic scales in three
-(a zeroed float32, the amax over every row by atomic max, then the quantizing). Same codes and scales
+(a zeroed float32, the amax over every row by atomic max, then the quantizing), or of one row (a decode
+step's x) in one, as a per-row scale: formats.group_amax reads a group within one row as the row's own. Same codes and scales
 bit for bit as formats.quantize_fp8 / quantize_int8, whose torch ops take about a dozen launches (the
 amax, the scale's expansion, float32 temporaries of each step), each a pass over the tensor: at M = 1
 the launches are the time, at mixtral's M = 1024 the passes (about 1 ms of a 1.9 ms fp8 layer on an
@@ -106,7 +107,9 @@ def quantize_rows(
     groups = 1 if gc == 0 else triton.cdiv(cols, gc)
     q = torch.empty((rows, cols), dtype=ACTIVATION_STORAGE[dtype], device=x.device)
     static = scale is not None
-    tensor = not static and group[0] == -1
+    # One row: the per-tensor group lies within it, so its NaN or inf is not skipped but makes the scale
+    # NaN or inf, as a per-row scale's (formats.group_amax): the per-row kernel, one launch, gives it.
+    tensor = not static and group[0] == -1 and rows != 1
     limit = _LIMITS[dtype]
     block = triton.next_power_of_2(gc or cols)
     if static:

@@ -79,6 +79,28 @@ def test_the_cuda_op_passes_opcheck_and_takes_one_launch():
     assert torch.equal(empty.cpu(), formats.quantize_fp8(x[:0].cpu(), (-1, -1))[1])  # [1, 1]: the float32 TINY
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("bad", ["none", "nan", "inf"])
+def test_one_row_per_tensor_scale_is_the_rows_own_in_one_launch(fmt, bad):
+    """A per-tensor dynamic scale of one row (x of a decode step): the group lies within the row, so the
+    torch quantizer lets a NaN or inf make the scale NaN or inf (formats.group_amax) where the amax over
+    several rows skips it. The kernel gives the same codes and [1, 1] scale bit for bit, in one launch."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from moe_ops.bench import kernel_launches
+
+    x = torch.randn(1, 2048, device="cuda") * 30
+    if bad != "none":
+        x[0, 77] = float(bad)
+    x = x.to(torch.bfloat16)
+    q, s = quantize(x, fmt, [-1, -1], None, None)
+    want_q, want_s = _QUANTIZERS[fmt](x, (-1, -1), None, None)
+    assert s.shape == (1, 1) and _same(q, want_q.contiguous()) and _same(s, want_s.to(_SCALE_DTYPE[fmt])), (q, want_q, s, want_s)
+    assert s.isfinite().item() == (bad == "none")
+    assert len(kernel_launches(lambda: quantize(x, fmt, [-1, -1], None, None))) == 1
+
+
 def test_zero_rows_on_the_cpu_match_the_shapes_the_kernel_gives():
     """The kernel's empty result (no launch) has the reference's shapes: [0, groups] scales."""
     q, s = formats.quantize_fp8(torch.zeros(0, 256), (1, 128))
