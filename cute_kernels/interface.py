@@ -607,7 +607,8 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None
     kind = scales.kind if scales else "none"
     epi = Epilogue("none", "none", has_bias=bias is not None, scales=kind)
     sms = num_sms(a.device.index)
-    tiles = tiles or (choose_fp8_tiles if scales else choose_tiles)("none", hidden, m, k, num_experts, sms, k_dim=inter)
+    rule = choose_fp8_tiles if scales else choose_tiles
+    tiles = tiles or rule("none", hidden, m, k, num_experts, sms, k_dim=inter)
     fn = _gemm(epi, False, dtype, bias.dtype if bias is not None else dtype, sms, *tiles, early=bool(weights_early))
     # GEMM2 gathers nothing: inverse stands in for the gather pointer, which this variant never reads.
     _launch_gemm(fn, a, (w, w), y, offsets, inverse, bias, hidden, hidden * inter, scales=scales)

@@ -1,14 +1,14 @@
 """moe_ops::quantize on CUDA in Triton, for fp8 and int8: per-token and per-token-group (dynamic: amax /
 448 or / 127 per group) and static per-tensor scales in one launch; per-tensor dynamic scales in three
-(a zeroed float32, the amax over every row by atomic max, then the quantizing), or of one row (a decode
-step's x) in one, as a per-row scale: formats.group_amax reads a group within one row as the row's own. Same codes and scales
-bit for bit as formats.quantize_fp8 / quantize_int8, whose torch ops take about a dozen launches (the
-amax, the scale's expansion, float32 temporaries of each step), each a pass over the tensor: at M = 1
-the launches are the time, at mixtral's M = 1024 the passes (about 1 ms of a 1.9 ms fp8 layer on an
-H200, bench/NOTES.md v47). nvfp4 stays with torch.
+(a zeroed float32, the amax over every row by atomic max, then the quantizing), or for one row (a decode
+step's x) in one, as a per-row scale (formats.group_amax reads a group within one row as the row's own).
+Same codes and scales bit for bit as formats.quantize_fp8 / quantize_int8, whose torch ops take about a
+dozen launches (the amax, the scale's expansion, float32 temporaries of each step), each a pass over the
+tensor: at M = 1 the launches are the time, at mixtral's M = 1024 the passes (about 1 ms of a 1.9 ms fp8
+layer on an H200, bench/NOTES.md v47). nvfp4 stays with torch.
 
-Per-tensor: amax = max |x| over the finite values (formats.group_amax: one bad token must not turn every
-other token's scale into NaN), then as below. Per group within a row: amax = max |x| (NaN if any x is
+Per-tensor over several rows: amax = max |x| over the finite values (formats.group_amax: one bad token
+must not turn every other token's scale into NaN), then as below. Per group within a row: amax = max |x| (NaN if any x is
 NaN, inf if any is inf, as torch's amax), scale = max(amax *
 fl32(1 / MAX), 1e-12) (NaN stays NaN; torch on CUDA divides by a number as a product with its float32
 reciprocal, one ulp from a true division at times), then
