@@ -340,6 +340,14 @@ class MoeGemmSm90:
                 f"tile_n={tile_n} with tile_m={tile_m} gives each warpgroup {self.wg_out_n} columns; without gather "
                 "(staged stores) that must be a multiple of 32"
             )
+        # lag: per-tensor/per-row e4m3 tiles promote each k-tile's products one k-tile later, from two
+        # alternating sets of temporaries, so the tensor cores run the next k-tile's WGMMAs meanwhile
+        # (see the main loop). Block scales keep the wait: their scales would be held twice as long.
+        # Swapped tiles only (small M: a tile's k-tiles are all a CTA does, and its accumulators are
+        # few): GEMMs alone 3-8% faster there at M = 1-128 (bench/NOTES.md v51), while a 64 x 64 tile
+        # (mixtral M = 1 GEMM2) was 12% slower and the widest tiles lack the registers.
+        # early_scales: the same tiles load their fp8 scales before the main loop (_scale_factors).
+        self.lag = self.early_scales = epilogue.scales == "fp8" and self.swap
         if self.promote:
             # Per consumer thread: a 64-row slice of each part (swapped: 64 weight rows x 16 tokens), doubled.
             per_part = 64 * (self.tile_m if self.swap else self.part_n // self.wg_grid[1]) // 128
@@ -707,6 +715,10 @@ class MoeGemmSm90:
         k_dim = mA.shape[1]
         n_out = mC.shape[1]
         k_tiles = (k_dim + self.tile_k - 1) // self.tile_k
+        if const_expr(self.lag):
+            # The main loop takes k-tiles in pairs (one per set of temporaries); an odd count gets one
+            # more, past K, which TMA and the zero-filled gather make all zeros.
+            k_tiles = k_tiles + k_tiles % 2
         n_tiles = (n_out + self.out_n - 1) // self.out_n
         grid = cute.arch.grid_dim()[0]
         # GEMM1's weight hint (the module docstring) reads the expert ids before the wait: the kernel
@@ -864,6 +876,11 @@ class MoeGemmSm90:
             if const_expr(self.promote):
                 c0 = cute.make_rmem_tensor(tCcC.shape, Float32)
                 c1 = cute.make_rmem_tensor(tCcC.shape, Float32) if self.num_parts == 2 and not self.wg_part else c0
+            # lag: the second set of temporaries, for the odd k-tiles.
+            d0, d1 = c0, c1
+            if const_expr(self.lag):
+                d0 = cute.make_rmem_tensor(tCcC.shape, Float32)
+                d1 = cute.make_rmem_tensor(tCcC.shape, Float32) if self.num_parts == 2 and not self.wg_part else d0
             # The B part a swapped [gate; up] warpgroup's acc0 holds before the hand-over.
             part0 = (wg_idx - 1) if self.wg_part else 0
             num_k_blocks = cute.size(tCrA, mode=[2])
@@ -887,71 +904,98 @@ class MoeGemmSm90:
                     # Swapped tiles: the thread's few bias values, loaded before the k-loop hides their
                     # latency (at M = 1 loaded after it, they cost the layer 1.5-2 µs; NOTES v34).
                     biases = self._swap_biases(tCcC, mBias, e, n_tile * self.out_n, n_out)
+                    # Likewise the fp8 scales: loaded after the k-loop they cost their round trip at the
+                    # end of every tile, which at small M is a CTA's only one.
+                    factors = ()
+                    if const_expr(self.early_scales):
+                        factors = self._scale_factors(tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0])
 
                     acc0.fill(0.0)
                     if const_expr(self.num_parts == 2 and not self.wg_part):
                         acc1.fill(0.0)
+                    if const_expr(self.lag):
+                        # The first k-tile's promotion adds the odd set before any WGMMA wrote it.
+                        d0.fill(0.0)
+                        if const_expr(self.num_parts == 2 and not self.wg_part):
+                            d1.fill(0.0)
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.fence()
-                    for kt in range(k_tiles):
-                        if const_expr(self.promote):
-                            # The temporaries were read by the last k-tile's promotion (ordinary
-                            # instructions) before these WGMMAs overwrite them.
-                            warpgroup.fence()
-                        if const_expr(not self.tma_a):
-                            pipe_a.consumer_wait(read)
-                        pipe_b.consumer_wait(read)
-                        if const_expr(self.zero_pad):
-                            # Zero this warpgroup's share of the rows past the expert before its WGMMAs
-                            # read the stage. The fence and barrier run on every k-tile: under a branch,
-                            # even a warpgroup-uniform one, ptxas serialises the WGMMAs (C7520); they
-                            # measured free (bench/NOTES.md v27).
-                            self._zero_rows(sA_rows, read.index, (wg_idx - 1) * 64, rows_left, ctid % 128)
-                            cute.arch.fence_view_async_shared()
-                            cute.arch.barrier(barrier_id=1 + wg_idx, number_of_threads=128)
-                        for kb in cutlass.range_constexpr(num_k_blocks // 2 if self.k_split else num_k_blocks):
-                            coord = (None, None, kb, read.index)
-                            if const_expr(self.k_split):
-                                # This warpgroup's half of the stage's k-blocks.
-                                coord = (None, None, kb + (wg_idx - 1) * (num_k_blocks // 2), read.index)
+                    # lag: two k-tiles per iteration, the even one into (c0, c1), the odd into (d0, d1)
+                    # (registers cannot be picked by a run-time index); k_tiles is even then.
+                    pair = 2 if self.lag else 1
+                    for kp in range(k_tiles // pair):
+                        for half in cutlass.range_constexpr(pair):
+                            kt = kp * pair + half
+                            t0, t1 = (c0, c1) if half == 0 else (d0, d1)
                             if const_expr(self.promote):
-                                # A k-tile's first WGMMA overwrites the temporaries (no zeroing: zeros
-                                # written by ordinary instructions made ptxas serialise the WGMMAs).
-                                tiled_mma.set(warpgroup.Field.ACCUMULATE, kb > 0)
-                            if const_expr(self.swap):
-                                # One accumulator per warpgroup: its 64 weight rows of the one part it has.
-                                cute.gemm(tiled_mma, c0, tCrB0[coord], tCrA[coord], c0)
-                            else:
-                                cute.gemm(tiled_mma, c0, tCrA[coord], tCrB0[coord], c0)
-                                if const_expr(self.num_parts == 2):
-                                    cute.gemm(tiled_mma, c1, tCrA[coord], tCrB1[coord], c1)
-                        warpgroup.commit_group()
-                        if const_expr(self.defer):
-                            # One 64-column chunk of the previous tile's outputs under each of the first
-                            # k-tiles' WGMMAs (the rest under the last, with fewer k-tiles than chunks).
-                            for q in cutlass.range_constexpr(self._chunks()):
-                                if kt == cutlass.min(q, k_tiles - 1):
-                                    if p_rows_left > 0:
-                                        self._store_packed(packed, tCcC, mC, p_row0, p_rows_left, p_col0, n_out, sEpi, sDest, q, q + 1)
-                        if const_expr(self.promote):
-                            # This k-tile's products join the fp32 sums; block scales load under its WGMMAs.
-                            if const_expr(self.block):
-                                scales = self._block_scales(tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0], kt, part0)
-                                warpgroup.wait_group(0)
-                                self._promote(acc0, acc1, c0, c1, scales)
-                            else:
-                                warpgroup.wait_group(0)
-                                self._promote(acc0, acc1, c0, c1, None)
-                        else:
-                            # Keep one k-tile of WGMMAs in flight; free the buffer of the one before it.
-                            warpgroup.wait_group(1)
-                        if kt > 0:
+                                # The temporaries were read by a promotion (ordinary instructions)
+                                # before these WGMMAs overwrite them.
+                                warpgroup.fence()
                             if const_expr(not self.tma_a):
-                                pipe_a.consumer_release(release)
-                            pipe_b.consumer_release(release)
-                            release.advance()
-                        read.advance()
+                                pipe_a.consumer_wait(read)
+                            pipe_b.consumer_wait(read)
+                            if const_expr(self.zero_pad):
+                                # Zero this warpgroup's share of the rows past the expert before its
+                                # WGMMAs read the stage. The fence and barrier run on every k-tile: under a
+                                # branch, even a warpgroup-uniform one, ptxas serialises the WGMMAs
+                                # (C7520); they measured free (bench/NOTES.md v27).
+                                self._zero_rows(sA_rows, read.index, (wg_idx - 1) * 64, rows_left, ctid % 128)
+                                cute.arch.fence_view_async_shared()
+                                cute.arch.barrier(barrier_id=1 + wg_idx, number_of_threads=128)
+                            for kb in cutlass.range_constexpr(num_k_blocks // 2 if self.k_split else num_k_blocks):
+                                coord = (None, None, kb, read.index)
+                                if const_expr(self.k_split):
+                                    # This warpgroup's half of the stage's k-blocks.
+                                    coord = (None, None, kb + (wg_idx - 1) * (num_k_blocks // 2), read.index)
+                                if const_expr(self.promote):
+                                    # A k-tile's first WGMMA overwrites the temporaries (no zeroing: zeros
+                                    # written by ordinary instructions made ptxas serialise the WGMMAs).
+                                    tiled_mma.set(warpgroup.Field.ACCUMULATE, kb > 0)
+                                if const_expr(self.swap):
+                                    # One accumulator per warpgroup: its 64 weight rows of the one part it has.
+                                    cute.gemm(tiled_mma, t0, tCrB0[coord], tCrA[coord], t0)
+                                else:
+                                    cute.gemm(tiled_mma, t0, tCrA[coord], tCrB0[coord], t0)
+                                    if const_expr(self.num_parts == 2):
+                                        cute.gemm(tiled_mma, t1, tCrA[coord], tCrB1[coord], t1)
+                            warpgroup.commit_group()
+                            if const_expr(self.defer):
+                                # One 64-column chunk of the previous tile's outputs under each of the
+                                # first k-tiles' WGMMAs (the rest under the last, with fewer k-tiles than
+                                # chunks).
+                                for q in cutlass.range_constexpr(self._chunks()):
+                                    if kt == cutlass.min(q, k_tiles - 1):
+                                        if p_rows_left > 0:
+                                            self._store_packed(packed, tCcC, mC, p_row0, p_rows_left, p_col0, n_out, sEpi, sDest, q, q + 1)
+                            if const_expr(self.lag):
+                                # The previous k-tile's products join the fp32 sums while this one's
+                                # WGMMAs run (before the first, the zeroed odd set).
+                                warpgroup.wait_group(1)
+                                if const_expr(half == 0):
+                                    self._promote(acc0, acc1, d0, d1, None)
+                                else:
+                                    self._promote(acc0, acc1, c0, c1, None)
+                            elif const_expr(self.promote):
+                                # This k-tile's products join the fp32 sums; block scales load under its
+                                # WGMMAs.
+                                scales = None
+                                if const_expr(self.block):
+                                    scales = self._block_scales(tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0], kt, part0)
+                                warpgroup.wait_group(0)
+                                self._promote(acc0, acc1, t0, t1, scales)
+                            else:
+                                # Keep one k-tile of WGMMAs in flight; free the buffer of the one before it.
+                                warpgroup.wait_group(1)
+                            if kt > 0:
+                                if const_expr(not self.tma_a):
+                                    pipe_a.consumer_release(release)
+                                pipe_b.consumer_release(release)
+                                release.advance()
+                            read.advance()
                     warpgroup.wait_group(0)
+                    if const_expr(self.lag):
+                        # The last (odd) k-tile's products.
+                        self._promote(acc0, acc1, d0, d1, None)
                     if k_tiles > 0:
                         if const_expr(not self.tma_a):
                             pipe_a.consumer_release(release)
@@ -974,17 +1018,23 @@ class MoeGemmSm90:
                         # Before the next tile's hand-over overwrites the buffer.
                         cute.arch.barrier(barrier_id=1, number_of_threads=256)
                         if wg_idx == 1:
-                            self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0])
+                            if const_expr(not self.early_scales):
+                                factors = self._scale_factors(tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0])
+                            self._scale(acc0, acc1, factors)
                             self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest, biases)
                     elif const_expr(self.defer):
-                        self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0])
+                        if const_expr(not self.early_scales):
+                            factors = self._scale_factors(tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0])
+                        self._scale(acc0, acc1, factors)
                         for q in cutlass.range_constexpr(self._chunks()):
                             self._pack(acc0, acc1, tCcC, mBias, e, n_tile * self.out_n, n_out, packed, q, q + 1)
                         p_row0 = row0
                         p_rows_left = rows_left
                         p_col0 = n_tile * self.out_n
                     else:
-                        self._scale(acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0])
+                        if const_expr(not self.early_scales):
+                            factors = self._scale_factors(tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0])
+                        self._scale(acc0, acc1, factors)
                         self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest, biases)
                     tile += grid
                 else:
@@ -994,36 +1044,59 @@ class MoeGemmSm90:
                     self._store_packed(packed, tCcC, mC, p_row0, p_rows_left, p_col0, n_out, sEpi, sDest, 0, self._chunks())
 
     @cute.jit
-    def _scale(self, acc0, acc1, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, n_part):
-        """Epilogue.scales "fp8": multiply this thread's accumulators by the scale of their A row times
-        their weight row's scale, before the bias and the activation. A non-swapped thread holds two rows
-        (fragment element i's row half (i // 2) % 2) and pairs of columns (elements 4b + v and 4b + 2 + v
-        share column v of block b), so it loads two A scales and one weight scale per column; a swapped
-        one holds a few tokens' columns of a few weight rows and loads per element. (fp8_block scales
-        each k-tile in the main loop instead: _promote.)"""
-        if const_expr(self.epi.scales == "fp8"):
-            cols = mWScale.shape[1]
-            if const_expr(self.swap):
-                for i in cutlass.range_constexpr(cute.size(acc0)):
+    def _scale_factors(self, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, n_part):
+        """Epilogue.scales "fp8": the scales this thread's accumulators take (_scale), loaded before the
+        tile's main loop so that their latency hides under it; () for other scales. A non-swapped thread
+        holds two rows (fragment element i's row half (i // 2) % 2) and pairs of columns (elements 4b + v
+        and 4b + 2 + v share column v of block b): (its two A scales, per part one weight scale per
+        column). A swapped one holds a few tokens' columns of a few weight rows: per part one factor
+        (A scale x weight scale) per element. (fp8_block scales each k-tile in the main loop instead:
+        _block_scales.)"""
+        if const_expr(self.epi.scales != "fp8"):
+            return ()
+        cols = mWScale.shape[1]
+        if const_expr(self.swap):
+            parts = []
+            for p in cutlass.range_constexpr(self.num_parts):
+                f = []
+                for i in cutlass.range_constexpr(cute.size(tCcC)):
                     n, m = tCcC[i]
                     a = mAScale[self._src_row(mGather, row0, m, rows_left), 0]
-                    acc0[i] = acc0[i] * (a * mWScale[e, cutlass.min(self._w_row(n, 0, n_tile, n_part), cols - 1), 0])
-                    if const_expr(self.num_parts == 2):
-                        acc1[i] = acc1[i] * (a * mWScale[e, cutlass.min(self._w_row(n, 1, n_tile, n_part), cols - 1), 0])
+                    f.append(a * mWScale[e, cutlass.min(self._w_row(n, p, n_tile, n_part), cols - 1), 0])
+                parts.append(f)
+            return tuple(parts)
+        frag = cute.shape(tCcC)
+        assert frag[0][0] == 2 and frag[0][1] == 2 and frag[1] == 1 and frag[2] == 1, frag
+        a = (
+            mAScale[self._src_row(mGather, row0, tCcC[0][0], rows_left), 0],
+            mAScale[self._src_row(mGather, row0, tCcC[2][0], rows_left), 0],
+        )
+        ws = []
+        for p in cutlass.range_constexpr(self.num_parts):
+            w = []
+            for b in cutlass.range_constexpr(cute.size(tCcC) // 4):
+                for v in cutlass.range_constexpr(2):
+                    w.append(mWScale[e, cutlass.min(self._w_row(tCcC[4 * b + v][1], p, n_tile, n_part), cols - 1), 0])
+            ws.append(w)
+        return a, tuple(ws)
+
+    @cute.jit
+    def _scale(self, acc0, acc1, factors):
+        """Multiply this thread's accumulators by their scales (factors from _scale_factors), before
+        the bias and the activation; nothing without fp8 per-tensor/per-row scales."""
+        if const_expr(self.epi.scales == "fp8"):
+            accs = (acc0, acc1)[: self.num_parts]
+            if const_expr(self.swap):
+                for p in cutlass.range_constexpr(self.num_parts):
+                    for i in cutlass.range_constexpr(cute.size(acc0)):
+                        accs[p][i] = accs[p][i] * factors[p][i]
             else:
-                frag = cute.shape(tCcC)
-                assert frag[0][0] == 2 and frag[0][1] == 2 and frag[1] == 1 and frag[2] == 1, frag
-                a = (
-                    mAScale[self._src_row(mGather, row0, tCcC[0][0], rows_left), 0],
-                    mAScale[self._src_row(mGather, row0, tCcC[2][0], rows_left), 0],
-                )
-                accs = (acc0, acc1)[: self.num_parts]
+                a, ws = factors
                 for p in cutlass.range_constexpr(self.num_parts):
                     for b in cutlass.range_constexpr(cute.size(acc0) // 4):
                         for v in cutlass.range_constexpr(2):
-                            w = mWScale[e, cutlass.min(self._w_row(tCcC[4 * b + v][1], p, n_tile, n_part), cols - 1), 0]
                             for h in cutlass.range_constexpr(2):
-                                accs[p][4 * b + 2 * h + v] = accs[p][4 * b + 2 * h + v] * (a[h] * w)
+                                accs[p][4 * b + 2 * h + v] = accs[p][4 * b + 2 * h + v] * (a[h] * ws[p][2 * b + v])
 
     @cute.jit
     def _block_scales(self, tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, n_part, kt, part0):
