@@ -22,8 +22,10 @@ FAKE_QUANT_TOLERANCE = {None: 0.0, "fp8": 2e-3, "int8": 1e-3, "int8_static": 1e-
 # ... plus this much where the kernels multiply operands decoded to bf16/fp16 (dequant_kernels.py): their
 # roundings (2**-9 relative in bf16) move GEMM1's output across code boundaries of GEMM2's quantized input
 # more often than float32 products do. Measured on an H200 against moe_float64 with the weights rounded
-# the same way: fp8 per-tensor 0.025 and nvfp4 0.034, against 0.022 and 0.030 without this term.
-DECODED_OPERANDS_TOLERANCE = {None: 0.0, "fp8": 1e-2, "int8": 1e-2, "int8_static": 1e-2, "nvfp4": 1e-2}
+# the same way: fp8 per-tensor 0.025 and nvfp4 0.034, against 0.022 and 0.030 without this term. nvfp4's
+# 4-bit codes flip by larger steps: over 30 seeds its layer of 32 pairs (M = 16, E = 64) erred 0.031 at
+# the median and 0.043 at most (bench/NOTES.md v51), hence 2e-2 there.
+DECODED_OPERANDS_TOLERANCE = {None: 0.0, "fp8": 1e-2, "int8": 1e-2, "int8_static": 1e-2, "nvfp4": 2e-2}
 
 
 def tolerance(dtype: torch.dtype, activation_quant: str | None = None, fake_quant: bool = False, decoded: bool = False) -> float:
