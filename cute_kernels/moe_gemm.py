@@ -122,8 +122,9 @@ READS = {"swigluoai": ("alpha", "limit"), "silu_clamped": ("limit",), "swiglu_so
 # fp32 when it adds into its accumulator, so summing all of K there ("fast accumulation") lost 2.3% of
 # the result at K = 4096 and 9.8% at K = 14336 on same-sign data (bench/fp8_accuracy.py, NOTES v48);
 # 128 products per WGMMA chain keep the error at bf16's rounding. The WGMMAs of one k-tile then wait for
-# the previous one's promotion, and the temporaries double the accumulators, so the widest tiles
-# (128 x 256) are refused (PROMOTE_MAX_ACC).
+# the previous one's promotion (swapped per-tensor/per-row tiles instead promote one k-tile behind, from
+# two sets of temporaries: MoeGemmSm90.lag), and the temporaries double the accumulators, so the widest
+# tiles (128 x 256) are refused (PROMOTE_MAX_ACC).
 SCALES = ("none", "fp8", "fp8_block")
 SCALE_BLOCK = 128
 # fp32 accumulator elements per consumer thread a promoting (e4m3) tile may hold, temporaries included.
