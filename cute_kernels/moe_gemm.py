@@ -1002,6 +1002,8 @@ class MoeGemmSm90:
                             pipe_a.consumer_release(release)
                         pipe_b.consumer_release(release)
                         release.advance()
+                    if const_expr(not self.early_scales):
+                        factors = self._scale_factors(tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0])
                     if const_expr(self.hand_over):
                         # Warpgroup 2's accumulators to warpgroup 1 (same fragment layout, so thread t of
                         # one reads what thread t of the other wrote): the up part (wg_part), or the
@@ -1019,13 +1021,9 @@ class MoeGemmSm90:
                         # Before the next tile's hand-over overwrites the buffer.
                         cute.arch.barrier(barrier_id=1, number_of_threads=256)
                         if wg_idx == 1:
-                            if const_expr(not self.early_scales):
-                                factors = self._scale_factors(tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0])
                             self._scale(acc0, acc1, factors)
                             self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest, biases)
                     elif const_expr(self.defer):
-                        if const_expr(not self.early_scales):
-                            factors = self._scale_factors(tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0])
                         self._scale(acc0, acc1, factors)
                         for q in cutlass.range_constexpr(self._chunks()):
                             self._pack(acc0, acc1, tCcC, mBias, e, n_tile * self.out_n, n_out, packed, q, q + 1)
@@ -1033,8 +1031,6 @@ class MoeGemmSm90:
                         p_rows_left = rows_left
                         p_col0 = n_tile * self.out_n
                     else:
-                        if const_expr(not self.early_scales):
-                            factors = self._scale_factors(tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0])
                         self._scale(acc0, acc1, factors)
                         self._epilogue(acc0, acc1, tCcC, mC, mBias, e, row0, rows_left, n_tile * self.out_n, n_out, sEpi, sDest, biases)
                     tile += grid
