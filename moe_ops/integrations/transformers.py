@@ -9,8 +9,11 @@ saying which. The experts class's flags are honoured: concatenated or interleave
 row_major_experts re-stores them in place for the CuTe DSL kernels, which read row-major experts),
 biases (has_bias), has_gate, and its act_fn (an activation module, or torch.nn.functional.silu / gelu
 itself as LFM2-MoE holds it; or a CUSTOM_GATES class's own gating). Expert-parallel sentinel ids (>=
-num_experts) are dropped. Importing moe_ops does not import transformers: the implementation is
-registered when transformers.integrations.moe is first imported (or at once if it already was).
+num_experts) are dropped. Fine-grained fp8 checkpoints (Qwen3-FP8, DeepSeek-V3: transformers swaps
+their experts for its FP8Experts, which dispatch through FP8ExpertsInterface) run their e4m3 codes and
+square block scales as moe_ops' fp8_w8a8_block (moe_ops_fp8_experts_forward). Importing moe_ops does not
+import transformers: the implementation is registered in each interface when its module is first
+imported (or at once if it already was).
 """
 from __future__ import annotations
 
@@ -24,9 +27,12 @@ import torch
 from ..activation import Activation
 from ..expert_norm import PostExpertNorm
 from ..fused_experts import fused_experts
+from ..quant import fp8_w8a8_block
 
 NAME = "moe_ops"
 _MODULE = "transformers.integrations.moe"
+# transformers' fine-grained fp8 integration, whose FP8Experts dispatch through an interface of their own.
+FP8_MODULE = "transformers.integrations.finegrained_fp8"
 
 # transformers activation classes (by name, so this file needs no transformers import) -> our kind.
 _ACT_FN = {
@@ -115,6 +121,14 @@ def experts_activation(experts: torch.nn.Module) -> Activation:
         if kind is not None:
             params = {"alpha": float(operator.attrgetter(alpha)(experts))} if alpha else {}
             return Activation(kind, limit=float(operator.attrgetter(limit)(experts)), interleaved=interleaved, **params)
+    kind = _act_fn_kind(experts)
+    return Activation(kind, interleaved=interleaved) if kind != "relu2" else Activation(kind)
+
+
+def _act_fn_kind(experts: torch.nn.Module) -> str:
+    """The moe_ops activation kind of an experts module's act_fn, checked against its has_gate, or
+    NotImplementedError."""
+    cls = type(experts).__name__
     act_fn = getattr(experts, "act_fn", None)
     act_name = type(act_fn).__name__
     kind = _ACT_FN.get(act_name)
@@ -128,7 +142,7 @@ def experts_activation(experts: torch.nn.Module) -> Activation:
         raise NotImplementedError(f"{cls}: activation {act_name} has no moe_ops equivalent; known: {', '.join(known)}")
     if experts.has_gate == (kind == "relu2"):
         raise NotImplementedError(f"{cls}: activation {kind} with has_gate={experts.has_gate} is not supported")
-    return Activation(kind, interleaved=interleaved) if kind != "relu2" else Activation(kind)
+    return kind
 
 
 def moe_ops_experts_forward(
@@ -151,17 +165,80 @@ def moe_ops_experts_forward(
     if self.has_bias:
         b13 = self.gate_up_proj_bias if self.has_gate else self.up_proj_bias
         b2 = self.down_proj_bias
-    expert_map = None
-    ids = top_k_index
-    if getattr(self, "_is_expert_parallel", False):
-        # Sentinels (ids >= num_experts) point at one extra global slot mapped to -1: no work, no output.
-        ids = top_k_index.clamp(max=self.num_experts)
-        expert_map = torch.arange(self.num_experts + 1, device=ids.device, dtype=torch.int32)
-        expert_map[-1] = -1
+    ids, expert_map = _routing(self, top_k_index)
     out = fused_experts(
         hidden_states.to(w13.dtype), w13, w2, top_k_weights.float(), ids,
-        activation=experts_activation(self), w13_bias=b13, w2_bias=b2, expert_map=expert_map,
-        post_expert_norm=experts_norm(self),
+        activation=experts_activation(self), w13_bias=b13, w2_bias=b2, expert_map=expert_map, post_expert_norm=experts_norm(self),
+    )  # fmt: skip
+    return out.to(hidden_states.dtype)
+
+
+def _routing(experts: torch.nn.Module, top_k_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(topk_ids, expert_map) for fused_experts: under expert parallelism the sentinels (ids >=
+    num_experts) point at one extra global slot mapped to -1: no work, no output."""
+    if not getattr(experts, "_is_expert_parallel", False):
+        return top_k_index, None
+    ids = top_k_index.clamp(max=experts.num_experts)
+    expert_map = torch.arange(experts.num_experts + 1, device=ids.device, dtype=torch.int32)
+    expert_map[-1] = -1
+    return ids, expert_map
+
+
+def fp8_experts_activation(experts: torch.nn.Module) -> Activation:
+    """The moe_ops Activation of transformers' FP8Experts gating, or NotImplementedError. FP8Experts
+    replaces a model's experts module and gates with its own _apply_gate (transformers 5.24), on
+    [gate; up] halves, branching on its attributes in this order: softcaps (mlp_gate_softcap,
+    mlp_up_softcap: Inkling-2's swiglu_softcapped), swiglu_alpha (gpt-oss's swigluoai, clamped at
+    swiglu_limit), a clamp alone (limit: silu_clamped with SiLU), else act_fn(gate) * up."""
+    cls = type(experts).__name__
+    fp8 = sys.modules[FP8_MODULE]
+    if type(experts)._apply_gate is not fp8.FP8Experts._apply_gate:
+        raise NotImplementedError(f"{cls}: an _apply_gate other than FP8Experts' own has no moe_ops equivalent")
+    if not experts.has_gate:
+        return Activation(_act_fn_kind(experts))
+    # getattr: transformers before the softcap branch (5.17) has neither attribute nor branch.
+    if getattr(experts, "gate_softcap", None) is not None:
+        return Activation("swiglu_softcapped", alpha=float(experts.gate_softcap), limit=float(experts.up_softcap))
+    if experts.swiglu_alpha is not None:
+        return Activation("swigluoai", alpha=float(experts.swiglu_alpha), limit=float(experts.swiglu_limit))
+    kind = _act_fn_kind(experts)
+    if experts.limit is None:
+        return Activation(kind)
+    if kind != "silu":
+        raise NotImplementedError(f"{cls}: a clamped gate (limit={experts.limit}) with activation {kind}; moe_ops clamps SiLU only (silu_clamped)")
+    return Activation("silu_clamped", limit=float(experts.limit))
+
+
+def moe_ops_fp8_experts_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """FP8ExpertsInterface forward of transformers' FP8Experts (fine-grained fp8 checkpoints: Qwen3-FP8,
+    DeepSeek-V3): hidden_states [S, H], top_k_index [S, k], top_k_weights [S, k] -> [S, H]. Its e4m3
+    codes and square weight blocks run as moe_ops' fp8_w8a8_block, activations quantized per token in
+    1 x block groups as the module's own dynamic scheme does; float32 or UE8M0 scales (powers of two,
+    read as float32). Static activation scales (one per expert), per-tensor weight scales and fp4
+    experts raise NotImplementedError, as does a bias (FP8Experts has none)."""
+    cls = type(self).__name__
+    up = self.gate_up_proj if self.has_gate else self.up_proj
+    up_scale = self.gate_up_proj_scale_inv if self.has_gate else self.up_proj_scale_inv
+    for name, w in (("gate_up_proj" if self.has_gate else "up_proj", up), ("down_proj", self.down_proj)):
+        if w.dtype != torch.float8_e4m3fn:
+            raise NotImplementedError(f"{cls}.{name}: dtype {w.dtype}; moe_ops runs fp8 (torch.float8_e4m3fn) experts, not fp4 ones")
+    if self.activation_scheme != "dynamic":
+        raise NotImplementedError(
+            f"{cls}: activation_scheme {self.activation_scheme!r}; moe_ops runs 'dynamic' (per-token 1 x block groups), "
+            "not per-expert static activation scales"
+        )
+    block = tuple(self.block_size) if self.block_size is not None else None
+    if block is None or len(block) != 2 or block[0] != block[1]:
+        raise NotImplementedError(f"{cls}: weight_block_size {self.block_size}; moe_ops runs square weight blocks ([b, b], DeepSeek-V3's [128, 128])")
+    if self.has_bias:
+        raise NotImplementedError(f"{cls}: biases; moe_ops' fp8 experts implementation runs FP8Experts, which has none")
+    config = fp8_w8a8_block(up_scale.float(), self.down_proj_scale_inv.float(), block_size=int(block[0]))
+    ids, expert_map = _routing(self, top_k_index)
+    out = fused_experts(
+        hidden_states, up, self.down_proj, top_k_weights.float(), ids,
+        activation=fp8_experts_activation(self), expert_map=expert_map, quant_config=config,
     )  # fmt: skip
     return out.to(hidden_states.dtype)
 
@@ -197,20 +274,41 @@ def row_major_experts(model: torch.nn.Module) -> list[str]:
     return changed
 
 
-def register(module=None) -> None:
-    """Register "moe_ops" in transformers' ExpertsInterface (idempotent)."""
-    module = module or sys.modules[_MODULE]
+def _register_experts(module) -> None:
     module.ExpertsInterface.register(NAME, moe_ops_experts_forward)
 
 
+def _register_fp8_experts(module) -> None:
+    module.FP8ExpertsInterface.register(NAME, moe_ops_fp8_experts_forward)
+
+
+# transformers module -> how "moe_ops" registers in the experts interface it defines.
+_REGISTER = {_MODULE: _register_experts, FP8_MODULE: _register_fp8_experts}
+
+
+def register(module=None) -> None:
+    """Register "moe_ops" in transformers' ExpertsInterface, or in the interface of `module` (one of
+    _REGISTER's; idempotent)."""
+    module = module or sys.modules[_MODULE]
+    _REGISTER[module.__name__](module)
+
+
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """Registers moe_ops the moment transformers.integrations.moe finishes importing."""
+    """Registers moe_ops the moment each module of _REGISTER finishes importing."""
+
+    def __init__(self, names):
+        self.pending = set(names)
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _MODULE:
+        if fullname not in self.pending:
             return None
+        self.pending.discard(fullname)
         sys.meta_path.remove(self)  # find the real spec without finding ourselves
-        spec = importlib.util.find_spec(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            if self.pending:
+                sys.meta_path.insert(0, self)
         if spec is None or spec.loader is None:
             return spec
         exec_module = spec.loader.exec_module
@@ -224,11 +322,15 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
 
 
 def install_hook() -> None:
-    """Register "moe_ops" now if transformers' moe module is imported, else when it is (importing
-    moe_ops must not import transformers: it is optional and slow to import)."""
-    if _MODULE in sys.modules:
-        register()
-    elif importlib.util.find_spec("transformers") is not None and not any(
+    """Register "moe_ops" now in each of transformers' experts interfaces already imported, else when
+    they are (importing moe_ops must not import transformers: it is optional and slow to import)."""
+    pending = []
+    for name in _REGISTER:
+        if name in sys.modules:
+            register(sys.modules[name])
+        else:
+            pending.append(name)
+    if pending and importlib.util.find_spec("transformers") is not None and not any(
         isinstance(f, _RegisterOnImport) for f in sys.meta_path
     ):
-        sys.meta_path.insert(0, _RegisterOnImport())
+        sys.meta_path.insert(0, _RegisterOnImport(pending))
