@@ -119,6 +119,17 @@ def test_the_call_is_fp8_w8a8_block_on_the_codes(monkeypatch):
     assert kwargs["activation"] == moe_ops.Activation("swigluoai", alpha=1.702, limit=7.0)
 
 
+def test_compiled_fullgraph_equals_eager():
+    """The quant config built inside forward traces: fullgraph, bit for bit the eager call."""
+    torch._dynamo.reset()
+    experts = _fp8_experts(**GATES["swigluoai"])
+    x, ids, weights = _routing(8)
+    with torch.no_grad():
+        eager = experts(x, ids, weights)
+        compiled = torch.compile(experts, fullgraph=True)(x, ids, weights)
+    assert torch.equal(eager, compiled)
+
+
 def test_moe_ops_is_registered_for_fp8_experts():
     assert "moe_ops" in finegrained_fp8.ALL_FP8_EXPERTS_FUNCTIONS
 
