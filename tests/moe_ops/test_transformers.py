@@ -362,6 +362,9 @@ def test_import_does_not_import_transformers_and_registers_later():
         assert "transformers" not in sys.modules
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
         assert "moe_ops" in ALL_EXPERTS_FUNCTIONS, "not registered when transformers was imported after moe_ops"
+        # The fp8 experts' interface, a module of its own imported later still (by a quantized load).
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+        assert "moe_ops" in ALL_FP8_EXPERTS_FUNCTIONS, "not registered for FP8Experts"
         print("ok")
         """
     )
@@ -373,9 +376,28 @@ def test_registers_when_transformers_was_imported_first():
     result = _python(
         """
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-        assert "moe_ops" not in ALL_EXPERTS_FUNCTIONS
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+        assert "moe_ops" not in ALL_EXPERTS_FUNCTIONS and "moe_ops" not in ALL_FP8_EXPERTS_FUNCTIONS
         import moe_ops
-        assert "moe_ops" in ALL_EXPERTS_FUNCTIONS
+        assert "moe_ops" in ALL_EXPERTS_FUNCTIONS and "moe_ops" in ALL_FP8_EXPERTS_FUNCTIONS
+        print("ok")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_registers_for_fp8_experts_imported_after_moe_ops():
+    """transformers' moe module already imported, its fp8 module not yet: moe_ops registers in the
+    first at once and in the second when it is imported."""
+    result = _python(
+        """
+        import sys
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        import moe_ops
+        assert "moe_ops" in ALL_EXPERTS_FUNCTIONS and "transformers.integrations.finegrained_fp8" not in sys.modules
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+        assert "moe_ops" in ALL_FP8_EXPERTS_FUNCTIONS
         print("ok")
         """
     )
