@@ -594,6 +594,10 @@ def test_custom_gates_match_their_eager_forward(model_type, spy):
     same module with another kind's arithmetic is far off, so the comparison tells them apart."""
     cls, want = CUSTOM_GATE_CASES[model_type]
     experts = _custom_gate_experts(model_type, cls)
+    if model_type in ("gpt_oss", "openai_privacy_filter") and (experts.alpha, experts.limit) == (1.702, 7.0):
+        # transformers before 5.24 (5.17 on the GPU host) holds gpt-oss's constants whatever the config
+        # says; the integration must read the module, not the config.
+        want = dataclasses.replace(want, alpha=1.702, limit=7.0)
     assert INTEGRATION.experts_activation(experts) == want
     inputs = _routing(21)
     eager, ours = _eager_and_ours(experts, *inputs)
