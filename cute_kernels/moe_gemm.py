@@ -347,8 +347,8 @@ class MoeGemmSm90:
         # Swapped tiles only (small M: a tile's k-tiles are all a CTA does, and its accumulators are
         # few): GEMMs alone 3-8% faster there at M = 1-128 (bench/NOTES.md v51), while a 64 x 64 tile
         # (mixtral M = 1 GEMM2) was 12% slower and the widest tiles lack the registers.
-        # early_scales: the same tiles load their fp8 scales before the main loop (_scale_factors).
-        self.lag = self.early_scales = epilogue.scales == "fp8" and self.swap
+        # The same tiles also load their fp8 scales before the main loop (_scale_factors).
+        self.lag = epilogue.scales == "fp8" and self.swap
         if self.promote:
             # Per consumer thread: a 64-row slice of each part (swapped: 64 weight rows x 16 tokens), doubled.
             per_part = 64 * (self.tile_m if self.swap else self.part_n // self.wg_grid[1]) // 128
@@ -908,7 +908,7 @@ class MoeGemmSm90:
                     # Likewise the fp8 scales: loaded after the k-loop they cost their round trip at the
                     # end of every tile, which at small M is a CTA's only one.
                     factors = ()
-                    if const_expr(self.early_scales):
+                    if const_expr(self.lag):
                         factors = self._scale_factors(tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0])
 
                     acc0.fill(0.0)
@@ -1002,7 +1002,7 @@ class MoeGemmSm90:
                             pipe_a.consumer_release(release)
                         pipe_b.consumer_release(release)
                         release.advance()
-                    if const_expr(not self.early_scales):
+                    if const_expr(not self.lag):
                         factors = self._scale_factors(tCcC, mAScale, mWScale, mGather, e, row0, rows_left, n_tile, gB1_full.shape[0])
                     if const_expr(self.hand_over):
                         # Warpgroup 2's accumulators to warpgroup 1 (same fragment layout, so thread t of
