@@ -8,6 +8,7 @@ quantizing activations are checked tightly too.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +27,11 @@ FAKE_QUANT_TOLERANCE = {None: 0.0, "fp8": 2e-3, "int8": 1e-3, "int8_static": 1e-
 # 4-bit codes flip by larger steps: over 30 seeds its layer of 32 pairs (M = 16, E = 64) erred 0.031 at
 # the median and 0.043 at most (bench/NOTES.md v51), hence 2e-2 there.
 DECODED_OPERANDS_TOLERANCE = {None: 0.0, "fp8": 1e-2, "int8": 1e-2, "int8_static": 1e-2, "nvfp4": 2e-2}
+# How far a layer's GEMM2 input may lie from the float64 one, relative to its row's max |value|, for
+# float64_reference's tie_margin. Measured in float32 on 200 layers each of tests/lowering/test_pass.py's
+# fp8 block, fp8 per tensor, int8 static and nvfp4 recipes (H = I = 128, M = 1 and 13): at most 1.35e-6
+# (median 6e-7), so 1e-5 leaves room for larger K.
+TIE_MARGIN = {torch.float32: 1e-5}
 
 
 def tolerance(dtype: torch.dtype, activation_quant: str | None = None, fake_quant: bool = False, decoded: bool = False) -> float:
@@ -72,8 +78,11 @@ def apply_activation(h: torch.Tensor, kind: str, alpha: float = 1.702, limit: fl
     return {"silu": _silu, "gelu": _gelu, "gelu_tanh": _gelu_tanh}[kind](gate) * up
 
 
-def fake_quantize(x: torch.Tensor, dtype: str, group: tuple[int, int], scale=None, global_scale=None) -> torch.Tensor:
-    """float64 [M, K] -> the float64 values its quantization to `dtype` represents (independent of the ops)."""
+def fake_quantize(x: torch.Tensor, dtype: str, group: tuple[int, int], scale=None, global_scale=None, offset=None) -> torch.Tensor:
+    """float64 [M, K] -> the float64 values its quantization to `dtype` represents (independent of the ops).
+
+    offset (float64 [M, K], optional) is added to x after the scales are chosen from x: it shows which
+    code a nearby value gets under the same scales (tie_margin of float64_reference)."""
     m, k = x.shape
     gr, gc = group
     gr = m if gr == -1 else gr
@@ -84,6 +93,8 @@ def fake_quantize(x: torch.Tensor, dtype: str, group: tuple[int, int], scale=Non
         for c0 in range(0, k, gc):
             blk = x[r0 : r0 + gr, c0 : c0 + gc]
             amax = blk.abs().max().item() if blk.numel() else 0.0
+            if offset is not None:
+                blk = blk + offset[r0 : r0 + gr, c0 : c0 + gc]
             if dtype == "fp8":
                 s = scale.item() if scale is not None else max(amax / 448.0, 1e-12)
                 s32 = torch.tensor(s, dtype=torch.float32).item()
@@ -107,7 +118,54 @@ def fake_quantize(x: torch.Tensor, dtype: str, group: tuple[int, int], scale=Non
     return out
 
 
-def moe_float64(
+@dataclass(frozen=True)
+class Float64Reference:
+    """float64_reference's result: the layer's float64 output and the activation codes of GEMM2's input
+    that sat within tie_margin of a rounding boundary (either code is then correct for a layer that
+    computes that input in lower precision).
+
+    out: float64 [M, H]. ties: per output row that has any, (row, [n, H] float64): one row of the
+    matrix per alternative code, the change it makes to out[row]."""
+
+    out: torch.Tensor
+    ties: tuple[tuple[int, torch.Tensor], ...] = ()
+
+    def relative_error(self, got: torch.Tensor) -> float:
+        """||got - r|| / ||out||, minimised over the references r that move any subset of the tied codes
+        to their neighbours (as relative_error when there are none). Rows are independent, so each row's
+        subsets are tried exhaustively (up to 2**10 of them; a greedy descent beyond that, which can only
+        overstate the error)."""
+        if not self.ties:
+            return relative_error(got, self.out)
+        diff = got.double().cpu() - self.out
+        sq = diff.pow(2).sum(dim=1)
+        for row, deltas in self.ties:
+            sq[row] = _best_subset(diff[row], deltas)
+        return sq.sum().sqrt().item() / max(self.out.norm().item(), 1e-300)
+
+
+def _best_subset(r: torch.Tensor, deltas: torch.Tensor) -> float:
+    """min over subsets S of ||r - sum_{i in S} deltas[i]||^2 (r: [H], deltas: [n, H])."""
+    n = deltas.shape[0]
+    if n <= 10:
+        pick = (torch.arange(1 << n).unsqueeze(1) >> torch.arange(n)) & 1  # [2^n, n]
+        return (r - pick.double() @ deltas).pow(2).sum(dim=1).min().item()
+    best, left = r.pow(2).sum().item(), list(range(n))
+    while left:
+        errs = [(r - deltas[i]).pow(2).sum().item() for i in left]
+        i = min(range(len(left)), key=errs.__getitem__)
+        if errs[i] >= best:
+            break
+        best, r = errs[i], r - deltas[left.pop(i)]
+    return best
+
+
+def moe_float64(*args, **kwargs) -> torch.Tensor:
+    """float64 [M, H]: float64_reference(*args, **kwargs).out (see there)."""
+    return float64_reference(*args, **kwargs).out
+
+
+def float64_reference(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
@@ -122,8 +180,9 @@ def moe_float64(
     act_quant=None,
     intermediate_dtype: torch.dtype | None = None,
     post_expert_norm=None,
-) -> torch.Tensor:
-    """float64 [M, H] on the CPU: sum_j w[m, j] * (act(x_m @ w13[e].T + b13[e]) @ w2[e].T + b2[e]).
+    tie_margin: float = 0.0,
+) -> Float64Reference:
+    """out: float64 [M, H] on the CPU: sum_j w[m, j] * (act(x_m @ w13[e].T + b13[e]) @ w2[e].T + b2[e]).
 
     w13/w2 are float weights in the logical layout ([E, 2I, H], [E, H, I]); act_quant, if given, is
     (dtype, group, a13_scale, a2_scale, a13_global_scale, a2_global_scale) and re-applies activation
@@ -131,7 +190,17 @@ def moe_float64(
     output to that dtype, as a layer running in it stores them (and GEMM2's output and its norm's
     steps). post_expert_norm (a moe_ops.PostExpertNorm: weight, eps), if given, replaces each expert's
     output y by s / sqrt(mean(s^2) + eps) with s = y * (1 + weight) before the router weight.
+
+    tie_margin (with act_quant): GEMM2's input codes whose value lies within tie_margin * (its row's
+    max |value|) of a rounding boundary are recorded as ties (Float64Reference.ties), each with the change
+    its neighbouring code makes to the output. A layer computing that input in float32 lands within
+    about 1.4e-6 of the row's max of the float64 value (TIE_MARGIN), so near a boundary either code is
+    correct, and one such code flip can outweigh the rest of a small layer's rounding error.
     """
+    if tie_margin and (act_quant is None or post_expert_norm is not None):
+        raise ValueError(f"float64_reference: tie_margin={tie_margin} needs act_quant and no post_expert_norm "
+                         f"(its ties are changes linear in GEMM2's input); got act_quant={act_quant is not None}, "
+                         f"post_expert_norm={post_expert_norm is not None}")
     # Read the activation's fields here rather than through moe_ops' own resolve_activation: a bug there
     # (a parameter lost on the way) would otherwise reach the ops and this check alike.
     if isinstance(activation, str):
@@ -166,13 +235,19 @@ def moe_float64(
         groups.append((e, tok, slot, rnd(apply_activation(rnd(h), kind, alpha, limit, interleaved))))
     out = torch.zeros_like(x)
     if not groups:
-        return out
+        return Float64Reference(out)
     a_all = torch.cat([g[3] for g in groups])
+    a_pre = a_all
     if act_quant is not None:
         a_all = fake_quantize(a_all, qdtype, group, s2, g2)
+    ties = {}
     start = 0
     for e, tok, slot, a in groups:
-        y = a_all[start : start + len(tok)] @ w2[e].T
+        rows = slice(start, start + len(tok))
+        y = a_all[rows] @ w2[e].T
+        if tie_margin:
+            for r, deltas in _tied_codes(a_pre, a_all, rows, act_quant, tie_margin, w2[e], tok, tw[tok, slot]):
+                ties.setdefault(r, []).append(deltas)
         start += len(tok)
         if w2_bias is not None:
             y = y + w2_bias[e].double().cpu()
@@ -181,4 +256,17 @@ def moe_float64(
             s = rnd(rnd(y) * scale)
             y = s / torch.sqrt((s * s).mean(dim=1, keepdim=True) + post_expert_norm.eps)
         out.index_add_(0, tok, rnd(y) * tw[tok, slot].unsqueeze(1))
-    return out
+    return Float64Reference(out, tuple((r, torch.cat(d)) for r, d in sorted(ties.items())))
+
+
+def _tied_codes(a_pre, a_q, rows, act_quant, margin, w2e, tok, weight):
+    """For the expert owning `rows` of GEMM2's input (a_pre before, a_q after quantization): yield
+    (output row, [n, H]) with the output change of each code that a value within margin * row max
+    would round to instead."""
+    qdtype, group, _, s2, _, g2 = act_quant
+    m = margin * a_pre.abs().amax(dim=1, keepdim=True).expand_as(a_pre)
+    for sign in (-1.0, 1.0):
+        alt = fake_quantize(a_pre, qdtype, group, s2, g2, offset=sign * m)[rows]
+        step = alt - a_q[rows]
+        for i, c in (step != 0).nonzero().tolist():
+            yield int(tok[i]), (step[i, c] * weight[i] * w2e[:, c]).unsqueeze(0)

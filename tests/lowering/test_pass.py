@@ -25,7 +25,7 @@ from moe_ops.gemm import grouped_gemm
 from moe_ops.plan import routing_plan
 from moe_ops.quant.quantize import quantize
 from moe_ops.reduce import weighted_reduce
-from moe_ops.reference import moe_float64, relative_error, tolerance
+from moe_ops.reference import TIE_MARGIN, float64_reference, relative_error, tolerance
 
 from ..decoders import decode_weight
 from . import cases
@@ -1149,10 +1149,14 @@ def test_fused_ops_equal_primitive_composition(recipe, m):
     # A 16-bit layer rounds GEMM1's output to its dtype before quantizing it for GEMM2; unmodelled, at
     # M = 1 a code that rounding flips weighs up to ~1.6x the tolerance (fp8 per token in bf16).
     rounded = c["dtype"] if aq is not None and c["dtype"] in (torch.bfloat16, torch.float16) else None
-    ref = moe_float64(x, w13f, w2f, topk_weights, c["topk_ids"], activation=act,
-                      w13_bias=config.w13_bias, w2_bias=config.w2_bias, act_quant=act_quant, intermediate_dtype=rounded)  # fmt: skip
+    # A float32 layer's GEMM2 input can sit a rounding away from a code boundary; either code is right
+    # there, and at M = 1 one such flip weighs up to ~4x the tolerance (in ~0.07% of seeds): the check
+    # takes the closer of the references with those tied codes flipped or not.
+    margin = TIE_MARGIN.get(c["dtype"], 0.0) if aq is not None else 0.0
+    ref = float64_reference(x, w13f, w2f, topk_weights, c["topk_ids"], activation=act, w13_bias=config.w13_bias,
+                            w2_bias=config.w2_bias, act_quant=act_quant, intermediate_dtype=rounded, tie_margin=margin)  # fmt: skip
     tol = tolerance(c["dtype"], aq.dtype if aq is not None else None, fake_quant=aq is not None)
-    err = relative_error(out, ref)
+    err = ref.relative_error(out)
     assert err <= tol, f"relative error {err} > {tol} against moe_float64"
     assert torch.isfinite(out.float()).all()
 

@@ -24,7 +24,7 @@ from moe_ops.quant import (
     quantize_weights,
 )
 from moe_ops.reduce import weighted_reduce
-from moe_ops.reference import DTYPE_TOLERANCE, apply_activation, fake_quantize, moe_float64, relative_error, tolerance
+from moe_ops.reference import DTYPE_TOLERANCE, TIE_MARGIN, apply_activation, fake_quantize, float64_reference, moe_float64, relative_error, tolerance
 
 from ..decoders import decode_e2m1_packed, decode_e4m3, decode_weight, expand
 
@@ -46,7 +46,8 @@ def random_layer(m, hidden, inter, num_experts, top_k, gated=True, dtype=torch.f
 
 
 def assert_close_rel(out, ref, tol, what=""):
-    err = relative_error(out, ref)
+    """ref: a float64 tensor, or a Float64Reference whose tied codes may go either way."""
+    err = ref.relative_error(out) if hasattr(ref, "ties") else relative_error(out, ref)
     assert err <= tol, f"{what}: relative error {err:.3e} > tolerance {tol:.3e}"
 
 
@@ -86,6 +87,38 @@ def test_fake_quantize_keeps_a_zero_row(fmt):
     assert torch.equal(got[3], torch.zeros(40, dtype=torch.float64))
     others = [0, 1, 2, 4, 5]
     assert torch.equal(got[others], fake_quantize(x[others], fmt, (1, -1)))
+
+
+def test_reference_forgives_tied_codes_and_nothing_else():
+    """float64_reference's ties: a GEMM2 input on a rounding boundary may take either code, and only those.
+    One token, one relu2 expert and static int8 scale 1, so GEMM2's input is h**2 on a grid of integers:
+    h**2 = 2.5 and 0.5 (a float64 rounding from the boundary) are ties, 1.44 and 0.25 are not. The output
+    of each choice is computed here directly, as tw * w2 @ codes."""
+    h = torch.tensor([2.5**0.5, 1.2, 0.5, 0.5**0.5], dtype=torch.float64)
+    w13 = torch.zeros(1, 4, 4, dtype=torch.float64)
+    w13[0, :, 0] = h
+    x = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    w2 = torch.randn(1, 4, 4, dtype=torch.float64)
+    tw, ids = torch.tensor([[0.7]], dtype=torch.float64), torch.zeros(1, 1, dtype=torch.long)
+    act_quant = ("int8", (-1, -1), torch.tensor([1 / 64]), torch.tensor([1.0]), None, None)
+    ref = float64_reference(x, w13, w2, tw, ids, activation="relu2", act_quant=act_quant, tie_margin=1e-6)
+    assert [r for r, _ in ref.ties] == [0] and ref.ties[0][1].shape == (2, 4)
+
+    def layer(codes):
+        return 0.7 * (w2[0] @ torch.tensor(codes, dtype=torch.float64)).unsqueeze(0)
+
+    correct = ([2, 1, 0, 0], [3, 1, 0, 0], [2, 1, 0, 1], [3, 1, 0, 1])
+    for codes in correct:
+        assert ref.relative_error(layer(codes)) < 1e-12, codes
+    # Any other code is charged its distance to the nearest correct output.
+    for codes in ([2, 2, 0, 0], [2, 1, 1, 0], [4, 1, 0, 0], [1, 1, 0, 1]):
+        nearest = min((layer(codes) - layer(c)).norm().item() for c in correct)
+        assert ref.relative_error(layer(codes)) == pytest.approx(nearest / ref.out.norm().item(), rel=1e-9), codes
+        assert nearest > 1e-3 * w2.norm().item()  # the codes above do move the output
+    untied = float64_reference(x, w13, w2, tw, ids, activation="relu2", act_quant=act_quant)
+    assert untied.ties == () and untied.relative_error(layer([3, 1, 0, 1])) == relative_error(layer([3, 1, 0, 1]), untied.out) > 0
+    with pytest.raises(ValueError, match="tie_margin"):
+        float64_reference(x, w13, w2, tw, ids, activation="relu2", tie_margin=1e-6)
 
 
 @pytest.mark.parametrize("fmt,group,static", [("fp8", (1, -1), False), ("int8", (1, -1), False),
@@ -406,6 +439,14 @@ def _act_quant(scheme, config):
     return (a.dtype, a.group.astuple(), config.a13_scale, config.a2_scale, config.a13_global_scale, config.a2_global_scale)
 
 
+def _fake_quant_reference(x, d13, d2, tw, ids, scheme, config, dtype=torch.float32, **kwargs):
+    """float64_reference with the scheme's activation quantization re-applied; a float32 layer's GEMM2
+    input codes at a rounding boundary may go either way (TIE_MARGIN)."""
+    act_quant = _act_quant(scheme, config)
+    margin = TIE_MARGIN.get(dtype, 0.0) if act_quant is not None else 0.0
+    return float64_reference(x, d13, d2, tw, ids, act_quant=act_quant, tie_margin=margin, **kwargs)
+
+
 # nvfp4 global scales are multiplied by this non-dyadic factor. With global = amax / (448 * 6) exactly, a
 # block's scale amax_block / (6 * global) = 448 * amax_block / amax is a ratio of bf16 values that often
 # lands exactly on an e4m3 midpoint, where the op's float32 arithmetic and the float64 reference may
@@ -493,7 +534,7 @@ def test_scheme_vs_float64_fake_quant(case, dtype):
     out = fused_experts(x, q13, q2, tw, ids, quant_config=config)
     assert out.dtype == dtype and out.shape == x.shape
     inter = torch.bfloat16 if dtype == torch.bfloat16 else None
-    ref = moe_float64(x, d13, d2, tw, ids, act_quant=_act_quant(scheme, config), intermediate_dtype=inter, **biases)
+    ref = _fake_quant_reference(x, d13, d2, tw, ids, scheme, config, dtype, intermediate_dtype=inter, **biases)
     a_dtype = None if scheme.activation is None else scheme.activation.dtype
     assert_close_rel(out, ref, tolerance(dtype, a_dtype, fake_quant=True), case)
 
@@ -519,7 +560,7 @@ def test_static_activation_scale_is_used(case):
     scheme, x, q13, q2, config, d13, d2, tw, ids, biases = _quant_layer(case, torch.float32)
     coarse = dataclasses.replace(config, a13_scale=config.a13_scale / 20, a2_scale=config.a2_scale / 20)
     out = fused_experts(x, q13, q2, tw, ids, quant_config=coarse)
-    ref_coarse = moe_float64(x, d13, d2, tw, ids, act_quant=_act_quant(scheme, coarse))
+    ref_coarse = _fake_quant_reference(x, d13, d2, tw, ids, scheme, coarse)
     ref_fine = moe_float64(x, d13, d2, tw, ids, act_quant=_act_quant(scheme, config))
     tol = tolerance(torch.float32, scheme.activation.dtype, fake_quant=True)
     assert_close_rel(out, ref_coarse, tol, case)
@@ -558,8 +599,8 @@ def test_factories_build_the_same_layer():
     scheme = QuantScheme(ActivationQuant("fp8", PER_ROW), WeightQuant("mxfp4", GroupShape(1, 32)))
     q13, q2, c = quantize_weights(scheme, w13, w2)
     config = FACTORIES["mxfp4_w4a8"](c.w13_scale, c.w2_scale, per_token=True)
-    ref = moe_float64(x, decode_weight(q13, scheme.weight, c.w13_scale), decode_weight(q2, scheme.weight, c.w2_scale),
-                      tw, ids, act_quant=_act_quant(scheme, c))  # fmt: skip
+    ref = _fake_quant_reference(x, decode_weight(q13, scheme.weight, c.w13_scale), decode_weight(q2, scheme.weight, c.w2_scale),
+                                tw, ids, scheme, c)  # fmt: skip
     out = fused_experts(x, q13, q2, tw, ids, quant_config=config)
     assert_close_rel(out, ref, tolerance(torch.float32, "fp8", fake_quant=True), "mxfp4_w4a8")
 
@@ -654,7 +695,7 @@ def test_empty_expert_matrices_have_no_layout_to_check():
 def test_one_token(case):
     scheme, x, q13, q2, config, d13, d2, tw, ids, biases = _quant_layer(case, torch.float32, m=1)
     out = fused_experts(x, q13, q2, tw, ids, quant_config=config)
-    ref = moe_float64(x, d13, d2, tw, ids, act_quant=_act_quant(scheme, config), **biases)
+    ref = _fake_quant_reference(x, d13, d2, tw, ids, scheme, config, **biases)
     a_dtype = None if scheme.activation is None else scheme.activation.dtype
     assert_close_rel(out, ref, tolerance(torch.float32, a_dtype, fake_quant=True), case)
 
