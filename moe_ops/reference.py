@@ -161,7 +161,9 @@ def _best_subset(r: torch.Tensor, deltas: torch.Tensor) -> float:
 
 
 def moe_float64(*args, **kwargs) -> torch.Tensor:
-    """float64 [M, H]: float64_reference(*args, **kwargs).out (see there)."""
+    """float64 [M, H]: float64_reference(*args, **kwargs).out (see there), without ties."""
+    if kwargs.get("tie_margin"):
+        raise TypeError("moe_float64 returns the output alone and would drop the ties; call float64_reference for tie_margin")
     return float64_reference(*args, **kwargs).out
 
 

@@ -24,7 +24,7 @@ from moe_ops.quant import (
     quantize_weights,
 )
 from moe_ops.reduce import weighted_reduce
-from moe_ops.reference import DTYPE_TOLERANCE, TIE_MARGIN, apply_activation, fake_quantize, float64_reference, moe_float64, relative_error, tolerance
+from moe_ops.reference import DTYPE_TOLERANCE, TIE_MARGIN, Float64Reference, apply_activation, fake_quantize, float64_reference, moe_float64, relative_error, tolerance
 
 from ..decoders import decode_e2m1_packed, decode_e4m3, decode_weight, expand
 
@@ -47,7 +47,7 @@ def random_layer(m, hidden, inter, num_experts, top_k, gated=True, dtype=torch.f
 
 def assert_close_rel(out, ref, tol, what=""):
     """ref: a float64 tensor, or a Float64Reference whose tied codes may go either way."""
-    err = ref.relative_error(out) if hasattr(ref, "ties") else relative_error(out, ref)
+    err = ref.relative_error(out) if isinstance(ref, Float64Reference) else relative_error(out, ref)
     assert err <= tol, f"{what}: relative error {err:.3e} > tolerance {tol:.3e}"
 
 
@@ -119,6 +119,8 @@ def test_reference_forgives_tied_codes_and_nothing_else():
     assert untied.ties == () and untied.relative_error(layer([3, 1, 0, 1])) == relative_error(layer([3, 1, 0, 1]), untied.out) > 0
     with pytest.raises(ValueError, match="tie_margin"):
         float64_reference(x, w13, w2, tw, ids, activation="relu2", tie_margin=1e-6)
+    with pytest.raises(TypeError, match="float64_reference"):
+        moe_float64(x, w13, w2, tw, ids, activation="relu2", act_quant=act_quant, tie_margin=1e-6)
 
 
 @pytest.mark.parametrize("fmt,group,static", [("fp8", (1, -1), False), ("int8", (1, -1), False),
