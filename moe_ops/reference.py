@@ -239,17 +239,20 @@ def float64_reference(
     if not groups:
         return Float64Reference(out)
     a_all = torch.cat([g[3] for g in groups])
-    a_pre = a_all
+    steps = []
     if act_quant is not None:
-        a_all = fake_quantize(a_all, qdtype, group, s2, g2)
+        a_pre, a_all = a_all, fake_quantize(a_all, qdtype, group, s2, g2)
+        if tie_margin:
+            steps = _neighbour_steps(a_pre, a_all, act_quant, tie_margin)
     ties = {}
     start = 0
     for e, tok, slot, a in groups:
         rows = slice(start, start + len(tok))
         y = a_all[rows] @ w2[e].T
-        if tie_margin:
-            for r, deltas in _tied_codes(a_pre, a_all, rows, act_quant, tie_margin, w2[e], tok, tw[tok, slot]):
-                ties.setdefault(r, []).append(deltas)
+        for step in steps:  # each tied code of this expert's rows: its change to the output row it feeds
+            mine = step[rows]
+            for i, c in (mine != 0).nonzero().tolist():
+                ties.setdefault(int(tok[i]), []).append((mine[i, c] * tw[tok[i], slot[i]] * w2[e][:, c]).unsqueeze(0))
         start += len(tok)
         if w2_bias is not None:
             y = y + w2_bias[e].double().cpu()
@@ -261,14 +264,9 @@ def float64_reference(
     return Float64Reference(out, tuple((r, torch.cat(d)) for r, d in sorted(ties.items())))
 
 
-def _tied_codes(a_pre, a_q, rows, act_quant, margin, w2e, tok, weight):
-    """For the expert owning `rows` of GEMM2's input (a_pre before, a_q after quantization): yield
-    (output row, [n, H]) with the output change of each code that a value within margin * row max
-    would round to instead."""
+def _neighbour_steps(a_pre, a_q, act_quant, margin):
+    """GEMM2's whole input before (a_pre) and after (a_q) quantization -> [down, up]: each [rows, I] the
+    change of code that a value margin * its row's max below / above would get (0 where none)."""
     qdtype, group, _, s2, _, g2 = act_quant
     m = margin * a_pre.abs().amax(dim=1, keepdim=True).expand_as(a_pre)
-    for sign in (-1.0, 1.0):
-        alt = fake_quantize(a_pre, qdtype, group, s2, g2, offset=sign * m)[rows]
-        step = alt - a_q[rows]
-        for i, c in (step != 0).nonzero().tolist():
-            yield int(tok[i]), (step[i, c] * weight[i] * w2e[:, c]).unsqueeze(0)
+    return [fake_quantize(a_pre, qdtype, group, s2, g2, offset=sign * m) - a_q for sign in (-1.0, 1.0)]
