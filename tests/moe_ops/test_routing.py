@@ -139,6 +139,41 @@ def grid_bias(num_experts):
     return (torch.randn(num_experts) * 25).round() / 256
 
 
+# Deciding scores closer than this in float64 may come out equal, or in either order, in the op's float32
+# arithmetic: a biased selection score (up to ~1.5) carries ~2 ulp (~2.4e-7) of float32 error, a group
+# score (the sum of two) twice that.
+FLOAT32_SCORE_GAP = 2e-6
+
+
+def _near_float32_tie(row, k, bias, cfg):
+    """Whether two scores that decide DeepSeek-style routing of `row` (the k+1 best selection scores of
+    the kept groups, the topk_group+1 best group scores) differ in float64 by less than FLOAT32_SCORE_GAP
+    without being equal. Exact ties stay: both sides break them by the lower id."""
+    scores = SCORES[cfg["scoring"]](row)
+    sel = [s + b for s, b in zip(scores, bias)]
+    size = len(row) // cfg["groups"]
+    group_score = [sum(sorted(sel[g * size : (g + 1) * size], reverse=True)[:2]) for g in range(cfg["groups"])]
+    kept = _top(group_score, cfg["topk_group"])
+    deciding = [sorted((sel[e] for e in range(len(row)) if e // size in kept), reverse=True)[: k + 1]]
+    if cfg["groups"] > 1:
+        deciding.append(sorted(group_score, reverse=True)[: cfg["topk_group"] + 1])
+    return any(0 < a - b < FLOAT32_SCORE_GAP for top in deciding for a, b in zip(top, top[1:]))
+
+
+def bias_clear_of_near_ties(draw, logits, k, cfg):
+    """A correction bias from `draw()` under which no row of `logits` has a near tie (_near_float32_tie),
+    redrawn until so. Sigmoid plus a bias breaks the grid logits' premise: e.g. kimi_k2's experts 227 and
+    365 scored 1.14521502 and 1.14521513 in float64 and the same float32 value, so the op rightly chose
+    the lower id where float64 chose the other (seed 9189513131603277655). About 1 draw in 10 is redrawn."""
+    rows = logits.double().tolist()
+    for _ in range(100):
+        bias = draw()
+        bias64 = bias.double().tolist()
+        if not any(_near_float32_tie(row, k, bias64, cfg) for row in rows):
+            return bias
+    raise AssertionError("100 bias draws in a row left near ties: the tie gap is too wide for these logits")
+
+
 def _assert_routes_as(weights, ids, logits, top_k, bias, reference, cfg):
     """ids in order and weights to ROUTE_RTOL against the float64 `reference`, row by row."""
     bias64 = None if bias is None else bias.double().tolist()
@@ -160,8 +195,8 @@ def test_route_matches_model_routing_float64(model, dtype, layout):
     order = logits.float().argsort(dim=1, descending=True)
     rows = torch.arange(0, m, 3)
     logits[rows, order[rows, top_k]] = logits[rows, order[rows, top_k - 1]]
+    bias = bias_clear_of_near_ties(lambda: grid_bias(num_experts), logits, top_k, cfg) if has_bias else None
     logits = LAYOUTS[layout](logits)
-    bias = grid_bias(num_experts) if has_bias else None
     weights, ids = moe_ops.route(logits, top_k, e_score_correction_bias=bias, **kwargs)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int32
     assert weights.shape == ids.shape == (m, top_k) and weights.is_contiguous() and ids.is_contiguous()
@@ -282,8 +317,8 @@ def test_groups_of_one_expert_with_a_correction_bias():
     would raise a RuntimeError in torch.topk)."""
     num_experts, top_k = 16, 3
     logits = torch.randn(40, num_experts) * 2
-    bias = torch.randn(num_experts) * 0.1
     cfg = dict(scoring="sigmoid", groups=num_experts, topk_group=4, norm=True, scale=2.5)
+    bias = bias_clear_of_near_ties(lambda: torch.randn(num_experts) * 0.1, logits, top_k, cfg)
     weights, ids = moe_ops.route(logits, top_k, scoring="sigmoid", renormalize=True, num_expert_group=num_experts,
                                  topk_group=4, e_score_correction_bias=bias, routed_scaling_factor=2.5)  # fmt: skip
     _assert_routes_as(weights, ids, logits, top_k, bias, deepseek, cfg)
@@ -295,7 +330,7 @@ def test_correction_bias_keeps_float32_with_bf16_logits():
     are chosen in some rows. DeepSeek-V3's routing in float64 with the exact bias."""
     num_experts, top_k, kwargs, reference, cfg, _ = MODELS["deepseek_v3"]
     logits = (torch.randn(256, num_experts) * 2).bfloat16()
-    bias = torch.randn(num_experts) * 0.5  # not on the bf16 grid
+    bias = bias_clear_of_near_ties(lambda: torch.randn(num_experts) * 0.5, logits, top_k, cfg)  # not on the bf16 grid
     rounded = bias.bfloat16().double().tolist()
     rows = logits.double().tolist()
     changed = sum(reference(r, top_k, bias.double().tolist(), cfg)[0] != reference(r, top_k, rounded, cfg)[0] for r in rows)
