@@ -3,6 +3,8 @@
 - moe_gemm.py: the persistent, warp-specialised grouped GEMM over experts (gathered or grouped A rows,
   TMA weights, WGMMA, fused activation / bias epilogue);
 - token_sum.py: the deterministic router-weighted sum of each token's k rows;
+- w4a16_grouped.py: the grouped GEMM of bf16 rows with mxfp4 experts, decoded in registers (weights
+  packed once by w4a16_pack.py);
 - compile.py: compile once (TVM-FFI calling: ints for pointers, scalars and the stream), cache in
   memory and on disk;
 - interface.py: what callers use: support checks with reasons, and launchers taking torch tensors.

@@ -16,6 +16,10 @@ Both take fp8 operands too: a (x) and w in float8_e4m3fn with float32 a_scale (p
 and w_scale (per weight row or per expert), applied to the accumulators; out_dtype bf16 (_fp8_scales).
 Each 128-element k-tile's fp8 products are added to fp32 accumulators (MoeGemmSm90's promotion), so
 the error does not grow with K as the tensor cores' own fp8 accumulation's does.
+
+w4a16_grouped_gemm(a [P, K] bf16, packed, offsets, n, activation, bias) -> [P, n] float32 or [P, n / 2] bf16
+    The grouped GEMM with mxfp4 experts packed by w4a16_pack.pack_mxfp4_experts (w4a16_grouped.py): a's
+    rows already grouped by expert; the activation (gate_up tiles) in the epilogue.
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ from cutlass import Int32  # noqa: E402
 from .moe_gemm import GATED, HINT_MAX_PAIRS, MAX_EXPERTS, SCALE_BLOCK, Epilogue, MoeGemmSm90  # noqa: E402
 from .norm_token_sum import MAX_H as NORM_MAX_H, NormTokenSumSm90  # noqa: E402
 from .token_sum import TokenSumSm90  # noqa: E402
+from . import w4a16_pack as w4_pack  # noqa: E402
+from .w4a16_grouped import W4a16GroupedSm90, W4Epilogue  # noqa: E402
 
 ACTIVATIONS = (*GATED, "relu2")
 FP8 = torch.float8_e4m3fn
@@ -661,3 +667,73 @@ def precompile(dtype=torch.bfloat16, sms: int | None = None, bias_dtypes=(None,)
     for norm_dtype in (dtype, torch.float32):
         _norm_token_sum(dtype, norm_dtype)
     return dict(cc.timings)
+
+
+# w4a16 (w4a16_grouped.py): mxfp4 weights packed by w4a16_pack.py, bf16 activations.
+
+
+def w4a16_variants() -> list[W4Epilogue]:
+    """Every W4Epilogue a caller can request: float32 sums (GEMM2, or GEMM1 without an activation) and each
+    gated activation at its default parameters, each with and without a bias."""
+    acts = (None, *GATED)
+    return [W4Epilogue(act, has_bias=bias) for act in acts for bias in (False, True)]
+
+
+def w4a16_compile_args(epilogue: W4Epilogue) -> tuple:
+    """Placeholder arguments with W4a16GroupedSm90.__call__'s types."""
+    out = cutlass.BFloat16 if epilogue.activation is not None else cutlass.Float32
+    # the packed words as bytes: the kernel's TMA box is counted in bytes (w4a16_grouped.ROW_W)
+    ptrs = (cc.fake_ptr(cutlass.Uint8), cc.fake_ptr(cutlass.BFloat16), cc.fake_ptr(cutlass.Int32), cc.fake_ptr(out), cc.fake_ptr(cutlass.Float32))
+    return (*ptrs, *[Int32(128)] * 5, cc.fake_stream())
+
+
+def _w4a16(epilogue: W4Epilogue):
+    return cc.get(f"w4a16_grouped:{epilogue}", lambda: (W4a16GroupedSm90(epilogue), w4a16_compile_args(epilogue)))
+
+
+def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = None, alpha: float = 1.702,
+                       limit: float = 7.0, bias=None, out=None) -> torch.Tensor:  # fmt: skip
+    """The grouped GEMM of bf16 rows with mxfp4 experts (w4a16_grouped.py).
+
+    a [P, K] bf16: each expert's rows contiguous, expert e's at offsets[e]:offsets[e + 1] (int32 [E + 1]);
+    packed: pack_mxfp4_experts(codes [E, n, K/2], scales, kind="rows" when activation is None, else "gate_up").
+    activation None: returns float32 [P, n] = a @ W[e].T (+ bias [E, n] float32);
+    a GATED activation: returns bf16 [P, n / 2] = act(gate, up) of the sums (+ bias [E, 2, n / 2] float32,
+    pack_bias). Rows past offsets[E] are not written. out: the result's tensor, or None for a new one."""
+    epi = W4Epilogue(activation, alpha, limit, bias is not None)  # ValueError for an unknown activation
+    kind = "rows" if activation is None else "gate_up"
+    if not isinstance(a, torch.Tensor):
+        raise TypeError(f"a: expected a tensor, got {type(a).__name__}")
+    if a.dim() != 2:
+        raise ValueError(f"a: shape {list(a.shape)}; expected [P, K]")
+    p, k = a.shape
+    if k < w4_pack.GROUP or k % w4_pack.GROUP:
+        raise ValueError(f"a: K = {k}; the mxfp4 weights want a positive multiple of {w4_pack.GROUP}")
+    if not isinstance(n, int) or n <= 0 or (kind == "gate_up" and n % 2):
+        raise ValueError(f"n = {n!r}; expected the weights' row count, a positive int (even with an activation)")
+    num_experts = offsets.shape[0] - 1 if isinstance(offsets, torch.Tensor) and offsets.dim() == 1 else None
+    if num_experts is not None and num_experts > MAX_EXPERTS:
+        raise ValueError(f"offsets: {num_experts} experts; the kernel keeps the offsets in shared memory, for at most {MAX_EXPERTS}")
+    n_out = w4_pack.output_columns(kind, n)
+    tiles = _cdiv(n, w4_pack.TILE_ROWS) if kind == "rows" else _cdiv(n_out, w4_pack.TILE_ROWS // 2)
+    bias_shape = (num_experts, n) if kind == "rows" else (num_experts, 2, n_out)
+    out_dtype = torch.float32 if kind == "rows" else torch.bfloat16
+    _check_tensors(
+        a=(a, (p, k), (torch.bfloat16,)),
+        packed=(packed, (num_experts, tiles, _cdiv(k, w4_pack.KT), w4_pack.WORDS), (torch.int32,)),
+        offsets=(offsets, (None,), _INDEX),
+        bias=(bias, bias_shape, (torch.float32,)),
+        out=(out, (p, n_out), (out_dtype,)),
+    )  # fmt: skip
+    _check_support(device_support(a.device))
+    _check_aligned(a=a, packed=packed, offsets=offsets, bias=bias, out=out)
+    _int32(p * k, p * n_out, packed.numel())
+    out = torch.empty((p, n_out), dtype=out_dtype, device=a.device) if out is None else out
+    if p == 0:
+        return out
+    fn = _w4a16(epi)
+    _launch(
+        fn, a.device, _ptr(packed), _ptr(a), _ptr(offsets), _ptr(out), _ptr(bias if bias is not None else offsets),
+        *_int32(num_experts, n_out, k, p, num_sms(a.device.index)),
+    )  # fmt: skip
+    return out

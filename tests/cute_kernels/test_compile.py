@@ -24,6 +24,7 @@ from cute_kernels import interface  # noqa: E402
 from cute_kernels.moe_gemm import L2_EVICT_FIRST, SMEM_CAPACITY, MoeGemmSm90  # noqa: E402
 from cute_kernels.norm_token_sum import NormTokenSumSm90  # noqa: E402
 from cute_kernels.token_sum import TokenSumSm90  # noqa: E402
+from cute_kernels import w4a16_grouped as w4  # noqa: E402
 
 import cutlass.cute as cute  # noqa: E402
 
@@ -170,6 +171,30 @@ def test_moe_gemm_variant(variant, tmp_path):
     assert "griddepcontrol.launch_dependents" in ptx
     assert kernel.storage.size_in_bytes() <= SMEM_CAPACITY
     assert kernel.num_stages >= 3
+    if shutil.which("ptxas"):
+        _check_resources(_ptxas(ptx, tmp_path))
+
+
+@pytest.mark.parametrize("epilogue", interface.w4a16_variants(), ids=str)
+def test_w4a16_variant(epilogue, tmp_path):
+    """The w4a16 grouped GEMM: the weights' chunk and the rows by 2-D TMA, register-A WGMMA on bf16 (weights on
+    M: m64n16k16), KB per k-tile, the decode's bf16x2 multiplies (one per output register; two with a scale
+    above 2^1), bf16 stores after an activation, float32 ones otherwise; no local memory or spills."""
+    kernel = w4.W4a16GroupedSm90(epilogue)
+    ptx = _compile(kernel, interface.w4a16_compile_args(epilogue), tmp_path)
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 [^;]*;", ptx)
+    assert len(wgmma) == w4.KB and set(re.findall(r"m64n(\d+)k16", " ".join(wgmma))) <= {str(w4.TOK)}
+    # register A: the operand after the accumulators is a brace list of 4 registers, not a descriptor
+    assert all(re.search(r"\}, \{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", m) for m in re.findall(r"wgmma\.mma_async[^;]*;", ptx))
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cta.global") >= 2  # the weights' chunk, the rows (the loop unrolled)
+    assert ptx.count("mul.rn.bf16x2") == 4 * 2 * w4.GROUPS * 3  # fast path: 1 per register; any scale: 2
+    assert ptx.count("vote.sync.any.pred") >= 1
+    stores = set(re.findall(r"st\.global\.[\w.]+", ptx))
+    assert stores == ({"st.global.b16"} if epilogue.activation else {"st.global.b32"}), stores
+    if epilogue.activation:
+        assert re.search(r"bar\.sync\s+1, 256;", ptx) and re.search(r"bar\.sync\s+2, 256;", ptx)
+    assert ".local" not in ptx and "griddepcontrol" not in ptx  # an ordinary launch, not a programmatic dependent
+    assert kernel.storage.size_in_bytes() <= SMEM_CAPACITY
     if shutil.which("ptxas"):
         _check_resources(_ptxas(ptx, tmp_path))
 

@@ -1,0 +1,382 @@
+"""W4a16GroupedSm90: the grouped GEMM of MoE experts with mxfp4 weights and bf16 activations, on Hopper.
+
+    C[r, c] = epilogue(sum_k A[r, k] * W[e(r)][row(c), k])     for the grouped rows r of each expert e
+
+A [P, K] bf16 holds each expert's rows contiguously (offsets [E + 1], the routing plan's); W comes packed by
+w4a16_pack.py (one chunk per (expert, tile, k-tile of 128)). The weights stream through shared memory once per
+16-row m-tile, and each consumer thread decodes its own words into register-A WGMMA fragments (swapped
+operands: 64 weight rows on WGMMA's M side, 16 rows of A on its N side), so no decoded weight is ever stored.
+At small M this reads 4.25 bits per weight where the bf16 kernels read 16.
+
+Work: units (expert, 16-row m-tile, tile), expert by expert, handed out round-robin over a persistent grid of
+one CTA per SM. A unit's expert comes from a binary search over a per-CTA prefix sum of units per expert (warp
+0 scans with shuffles), not a walk over every expert: at M = 1 the walk over 128 experts, one dependent
+shared-memory load each, took half of GEMM2's time (branch wip/w4a16, bench/NOTES.md v54). Warpgroup 0's
+first warp loads (TMA) each k-tile's weight chunk and the unit's 16 rows of A into a ring of STAGES; two
+consumer warpgroups decode and multiply 64 weight rows each. Rows of an m-tile past its expert (the next
+expert's, or zeros past P) are multiplied and not stored.
+
+Epilogue, by the tile kind the weights were packed as:
+- "rows" (activation None): C [P, N] float32 = the sums (+ bias [E, N]);
+- "gate_up" (a GATED activation): warpgroup 1's up sums join warpgroup 0's gate sums of the same 64 columns
+  through shared memory; C [P, N / 2] bf16 = act(gate (+ bias[e, 0]), up (+ bias[e, 1])), bias [E, 2, N / 2].
+
+The decode (decode_word): five shifts of a word, four masks, four bf16x2 multiplies by 2^(s - 1) (the e8m0
+scale s times the 2^126 that lifts a code off bf16's subnormals) and four sign xors give its four fragment
+registers exactly. Scales above 2^1 (s > 128) and NaN (255) do not fit one multiplier: the warps whose
+k-tile holds such a scale (a vote per k-tile) take a second multiply. What bounds the kernel is this
+instruction stream, not the reads (Nsight Compute on branch wip/w4a16: issue slots ~60% busy, DRAM ~40%).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm as mlir_llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from .moe_gemm import GATED, READS, _gated
+from .w4a16_pack import CODE_WORDS, GROUPS, KT, TILE_ROWS, WORDS
+
+BF16 = cutlass.BFloat16
+TOK = 16  # rows of A per m-tile: WGMMA's N
+KB = KT // 16  # WGMMA k-blocks per k-tile
+CHUNK = WORDS * 4  # bytes of one (expert, tile, k-tile) chunk
+ROW_W = 128  # the chunk as a TMA box of BOX rows of ROW_W bytes (a box has at most 256 rows)
+BOX = CHUNK // ROW_W
+assert CHUNK % ROW_W == 0 and BOX <= 256
+STAGE_BYTES = CHUNK + TOK * KT * 2
+STAGES = 12  # 150 KB of ring: deeper rings measured no faster (branch wip/w4a16)
+CONSUMERS = 2  # warpgroups, 64 weight rows each
+THREADS = 128 * (1 + CONSUMERS)
+# The offsets and the units' prefix sum live in shared memory (one round of global loads per CTA).
+MAX_EXPERTS = 1024
+GATE_COLS = TILE_ROWS // 2  # output columns per "gate_up" tile
+
+SIGN = 0x80008000 - (1 << 32)
+MAG = 0x01C001C0
+
+
+@dataclass(frozen=True)
+class W4Epilogue:
+    """activation: None (the "rows" kind: float32 sums) or a GATED kind (the "gate_up" kind: bf16 act(gate, up));
+    alpha, limit: the activation's parameters (moe_gemm.READS); has_bias: float32 biases added to the sums."""
+
+    activation: str | None = None
+    alpha: float = 1.702
+    limit: float = 7.0
+    has_bias: bool = False
+
+    def __post_init__(self):
+        if self.activation is not None and self.activation not in GATED:
+            raise ValueError(f"W4Epilogue.activation: got {self.activation!r}; allowed: None, {', '.join(map(repr, GATED))}")
+        # A parameter the activation does not read keeps its default, so that it names no variant of its own.
+        for name in ("alpha", "limit"):
+            if name not in READS.get(self.activation, ()):
+                object.__setattr__(self, name, type(self).__dataclass_fields__[name].default)
+
+
+def _asm(asm: str, cons: str, *args):
+    return Int32(mlir_llvm.inline_asm(Int32.mlir_type, [a.ir_value() for a in args], asm, cons))
+
+
+def _bf16x2_mul(a, b):
+    return _asm("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", a, b)
+
+
+def scale_mult(word, g: int):
+    """Byte g of a scale word (e8m0 s <= 128) -> bf16x2 2^(s - 1) in both halves: 0x3F00 + (s << 7) per half."""
+    return _asm(f"{{ .reg .b32 t; prmt.b32 t, $1, 0, {0x4440 + g}; mad.lo.u32 $0, t, 0x00800080, 0x3F003F00; }}", "=r,r", word)
+
+
+# Any e8m0 s: m1 = 2^(min(s, 128) - 1), m2 = 2^(s - 128) (s > 128), 1, or NaN (s = 255); m1 * m2 is the multiplier.
+_SCALE_ANY = """{
+ .reg .b32 t, c;
+ .reg .pred big, nan;
+ prmt.b32 t, $2, 0, SEL;
+ setp.gt.u32 big, t, 128;
+ setp.eq.u32 nan, t, 255;
+ min.u32 c, t, 128;
+ mad.lo.u32 $0, c, 0x00800080, 0x3F003F00;
+ add.u32 c, t, 0xFFFFFFFF;
+ mul.lo.u32 c, c, 0x00800080;
+ selp.b32 c, c, 0x3F803F80, big;
+ selp.b32 $1, 0x7FC07FC0, c, nan;
+}"""
+
+
+def scale_mults_any(word, g: int):
+    """(m1, m2) as bf16x2 pairs for byte g of a scale word, any e8m0 value (see _SCALE_ANY)."""
+    res = mlir_llvm.inline_asm(
+        mlir_llvm.StructType.get_literal([Int32.mlir_type, Int32.mlir_type]), [word.ir_value()],
+        _SCALE_ANY.replace("SEL", str(0x4440 + g)), "=r,=r,r",
+    )  # fmt: skip
+    return Int32(mlir_llvm.extractvalue(Int32.mlir_type, res, [0])), Int32(mlir_llvm.extractvalue(Int32.mlir_type, res, [1]))
+
+
+def _shifted(q):
+    """(magnitude source, sign source) of the word's four outputs: w4a16_pack's MAG_SHIFT (0, 3, 6, -3) and
+    SIGN_SHIFT (0, 1, 2, 3). The arithmetic right shift's copied sign bits fall outside MAG."""
+    l1, l2, l3 = q << 1, q << 2, q << 3
+    return ((q, q), (l3, l1), (q << 6, l2), (q >> 3, l3))
+
+
+def decode_word(q, mult):
+    """A packed word -> its four bf16x2 fragment registers, scales up to 2^1."""
+    return [_bf16x2_mul(m & Int32(MAG), mult) ^ (sg & Int32(SIGN)) for m, sg in _shifted(q)]
+
+
+def decode_word_any(q, m1, m2):
+    """A packed word -> its four bf16x2 fragment registers, any scale (two multiplies)."""
+    return [_bf16x2_mul(_bf16x2_mul(m & Int32(MAG), m1), m2) ^ (sg & Int32(SIGN)) for m, sg in _shifted(q)]
+
+
+class W4a16GroupedSm90:
+    """See the module docstring. Compile with __call__'s argument types (interface.w4a16_compile_args)."""
+
+    def __init__(self, epilogue: W4Epilogue):
+        self.epi = epilogue
+        self.gated = epilogue.activation is not None
+        self.cols = GATE_COLS if self.gated else TILE_ROWS  # output columns per tile
+
+    @cute.jit
+    def __call__(self, w_ptr: cute.Pointer, a_ptr: cute.Pointer, off_ptr: cute.Pointer, c_ptr: cute.Pointer,
+                 b_ptr: cute.Pointer, e_num: Int32, n_out: Int32, k: Int32, p: Int32, num_sms: Int32,
+                 stream: cuda.CUstream):  # fmt: skip
+        if const_expr(w_ptr.dtype.width != 8 or a_ptr.dtype != BF16):
+            # A wider pointer would make the weights' TMA box (BOX x ROW_W elements) larger than the stage's
+            # bytes the barrier waits for: a hang, not an error.
+            raise TypeError(f"W4a16GroupedSm90: w_ptr must point to bytes (got {w_ptr.dtype}) and a_ptr BFloat16 (got {a_ptr.dtype})")
+        n_tiles = (n_out + self.cols - 1) // self.cols
+        k_tiles = (k + KT - 1) // KT
+        mW = cute.make_tensor(w_ptr, cute.make_layout((e_num * n_tiles * k_tiles * BOX, ROW_W), stride=(ROW_W, 1)))
+        mA = cute.make_tensor(a_ptr, cute.make_layout((p, k), stride=(k, 1)))
+        mOff = cute.make_tensor(off_ptr, cute.make_layout((e_num + 1,)))
+        mC = cute.make_tensor(c_ptr, cute.make_layout((p, n_out), stride=(n_out, 1)))
+        if const_expr(self.gated):
+            mB = cute.make_tensor(b_ptr, cute.make_layout((e_num, 2, n_out), stride=(2 * n_out, n_out, 1)))
+        else:
+            mB = cute.make_tensor(b_ptr, cute.make_layout((e_num, n_out), stride=(n_out, 1)))
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            BF16, BF16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1),
+            tiler_mn=(64, TOK), a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+        atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, BF16, 64), BF16)
+        sA_layout = cute.tile_to_shape(atom, (TOK, KT, STAGES), order=(0, 1, 2))
+        tma_a, gA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(sA_layout, (None, None, 0)), (TOK, KT))
+        sW_layout = cute.make_layout((BOX, ROW_W, STAGES), stride=(ROW_W, 1, CHUNK))
+        tma_w, gW = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW, cute.make_layout((BOX, ROW_W), stride=(ROW_W, 1)), (BOX, ROW_W))
+
+        @cute.struct
+        class Storage:
+            bar: cute.struct.MemRange[cutlass.Int64, STAGES * 2]
+            off: cute.struct.MemRange[Int32, MAX_EXPERTS + 1]
+            cum: cute.struct.MemRange[Int32, MAX_EXPERTS + 1]
+            up: cute.struct.MemRange[Float32, 128 * 8 if self.gated else 1]
+            sA: cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(sA_layout)], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(sW_layout)], 1024]
+
+        self.storage = Storage
+        self.kernel(tiled_mma, tma_w, gW, tma_a, gA, mOff, mC, mB, sA_layout, sW_layout, n_tiles, k_tiles).launch(
+            grid=[num_sms, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream
+        )
+
+    @cute.jit
+    def expert_of(self, sCum: cute.Tensor, u: Int32, e_num: Int32) -> Int32:
+        """The expert e whose units hold unit u: the largest e with sCum[e] <= u (an empty expert's successor
+        has the same sCum, so the largest is never empty)."""
+        lo = Int32(0)
+        hi = e_num - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if sCum[mid] <= u:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @cute.jit
+    def unit_place(self, sCum: cute.Tensor, sOff: cute.Tensor, u: Int32, e_num: Int32, n_tiles: Int32):
+        """(expert, tile, first row, rows of the expert from there) of unit u."""
+        e = self.expert_of(sCum, u, e_num)
+        m_tile = (u - sCum[e]) // n_tiles
+        tile = u - sCum[e] - m_tile * n_tiles
+        row0 = sOff[e] + m_tile * TOK
+        return e, tile, row0, sOff[e + 1] - row0
+
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_w: cute.CopyAtom, gW_full: cute.Tensor, tma_a: cute.CopyAtom,
+               gA_full: cute.Tensor, mOff: cute.Tensor, mC: cute.Tensor, mB: cute.Tensor, sA_layout: cute.ComposedLayout,
+               sW_layout: cute.Layout, n_tiles: Int32, k_tiles: Int32):  # fmt: skip
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid = cute.arch.grid_dim()[0]
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        storage = SmemAllocator().allocate(self.storage)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bar.data_ptr(), num_stages=STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * CONSUMERS),
+            tx_count=STAGE_BYTES, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True,
+        )  # fmt: skip
+        cute.arch.mbarrier_init_fence()
+        e_num = mOff.shape[0] - 1
+        sOff = storage.off.get_tensor(cute.make_layout((MAX_EXPERTS + 1,)))
+        for i in range(tidx, e_num + 1, THREADS):
+            sOff[i] = mOff[i]
+        cute.arch.sync_threads()
+        sCum = storage.cum.get_tensor(cute.make_layout((MAX_EXPERTS + 1,)))
+        # sCum[e] = units of the experts before e: each lane of warp 0 sums a run of experts, a warp scan adds the runs.
+        if warp_idx == 0:
+            lane = tidx % 32
+            per = (e_num + 31) // 32
+            lo = lane * per
+            hi = cutlass.min(lo + per, e_num)
+            own = Int32(0)
+            for e in range(lo, hi):
+                own += (sOff[e + 1] - sOff[e] + TOK - 1) // TOK * n_tiles
+            incl = own
+            for d in cutlass.range_constexpr(5):
+                t = cute.arch.shuffle_sync_up(incl, 1 << d)
+                if lane >= (1 << d):
+                    incl += t
+            run = incl - own
+            for e in range(lo, hi):
+                sCum[e] = run
+                run += (sOff[e + 1] - sOff[e] + TOK - 1) // TOK * n_tiles
+            if lane == 31:
+                sCum[e_num] = incl
+        cute.arch.sync_threads()
+        units = sCum[e_num]
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sW = storage.sW.get_tensor(sW_layout)
+        if wg_idx == 0:
+            if warp_idx == 0:
+                gW = cute.local_tile(gW_full, (BOX, ROW_W), (None, None))
+                tWs, tWg = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+                u = Int32(bidx)
+                while u < units:
+                    e, tile, row0, _ = self.unit_place(sCum, sOff, u, e_num, n_tiles)
+                    gA = cute.local_tile(cute.domain_offset((row0, 0), gA_full), (TOK, KT), (0, None))
+                    tAs, tAg = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+                    for kt in range(k_tiles):
+                        pipe.producer_acquire(state)
+                        bar = pipe.producer_get_barrier(state)
+                        cute.copy(tma_w, tWg[(None, (e * n_tiles + tile) * k_tiles + kt, 0)], tWs[(None, state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_a, tAg[(None, kt)], tAs[(None, state.index)], tma_bar_ptr=bar)
+                        state.advance()
+                    u += grid
+                pipe.producer_tail(state)
+        else:
+            self.consume(tiled_mma, pipe, sA, sW, sCum, sOff, storage, mC, mB, e_num, units, n_tiles, k_tiles, tidx, wg_idx, bidx, grid)
+
+    @cute.jit
+    def consume(self, tiled_mma, pipe, sA, sW, sCum, sOff, storage, mC, mB, e_num, units, n_tiles, k_tiles, tidx, wg_idx, bidx, grid):
+        ctid = tidx - 128 * wg_idx
+        wg = wg_idx - 1  # the tile's 64-row half this warpgroup multiplies
+        lane = ctid % 32
+        w = ctid // 32
+        n_out = mC.shape[1]  # (e_num comes from the global offsets: sOff's static extent is MAX_EXPERTS + 1)
+        thr = tiled_mma.get_slice(ctid)
+        tCrB = tiled_mma.make_fragment_B(thr.partition_B(sA))
+        tCrA = tiled_mma.make_fragment_A(thr.partition_A(cute.make_rmem_tensor((64, KT), BF16)))
+        a32 = cute.recast_tensor(tCrA, Int32)
+        tCcC = thr.partition_C(cute.make_identity_tensor((64, TOK)))
+        acc = cute.make_rmem_tensor(tCcC.shape, Float32)
+        sW32 = cute.recast_tensor(sW, Int32)
+        sUp = storage.up.get_tensor(cute.make_layout((128, 8)))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)  # the next stage to release
+        u = Int32(bidx)
+        while u < units:
+            e, tile, row0, rows_left = self.unit_place(sCum, sOff, u, e_num, n_tiles)
+            acc.fill(0.0)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            for kt in range(k_tiles):
+                pipe.consumer_wait(state)
+                words = cute.make_rmem_tensor((2, GROUPS), Int32)
+                sw = cute.make_rmem_tensor((2,), Int32)
+                for h in cutlass.range_constexpr(2):
+                    f = (((wg * 4 + w) * 2 + h) * 32 + lane) * GROUPS  # a multiple of GROUPS: within one box row
+                    for g in cutlass.range_constexpr(GROUPS):
+                        words[h, g] = sW32[f // (ROW_W // 4), f % (ROW_W // 4) + g, state.index]
+                    f = CODE_WORDS + ((wg * 4 + w) * 2 + h) * 8 + lane // 4
+                    sw[h] = sW32[f // (ROW_W // 4), f % (ROW_W // 4), state.index]
+                stage = state.index
+                state.advance()
+                # The k-tile before's WGMMAs read the fragment registers about to be rewritten, and its stage:
+                # both are free once they are done. (A second register set, to decode beside them, measured
+                # 5-7% slower: branch wip/w4a16.)
+                warpgroup.wait_group(0)
+                if kt > 0:
+                    pipe.consumer_release(done)
+                    done.advance()
+                if cute.arch.vote_any_sync(((sw[0] | sw[1]) & Int32(0x80808080 - (1 << 32))) != 0):
+                    for h in cutlass.range_constexpr(2):
+                        for g in cutlass.range_constexpr(GROUPS):
+                            m1, m2 = scale_mults_any(sw[h], g)
+                            self.put(a32, h, g, decode_word_any(words[h, g], m1, m2))
+                else:
+                    for h in cutlass.range_constexpr(2):
+                        for g in cutlass.range_constexpr(GROUPS):
+                            self.put(a32, h, g, decode_word(words[h, g], scale_mult(sw[h], g)))
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(KB):
+                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb)], tCrB[(None, None, kb, stage)], acc)
+                warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            if k_tiles > 0:
+                pipe.consumer_release(done)
+                done.advance()
+            self.epilogue(acc, tCcC, sUp, mC, mB, e, tile, row0, rows_left, n_out, ctid, wg)
+            u += grid
+
+    @cute.jit
+    def put(self, a32, h, g, regs):
+        """A word's four registers into the A fragment: k-blocks 2g and 2g + 1, K halves 0 and 1, row half h."""
+        a32[(0, h, 0), 0, 2 * g] = regs[0]
+        a32[(0, h, 1), 0, 2 * g] = regs[1]
+        a32[(0, h, 0), 0, 2 * g + 1] = regs[2]
+        a32[(0, h, 1), 0, 2 * g + 1] = regs[3]
+
+    @cute.jit
+    def epilogue(self, acc, tCcC, sUp, mC, mB, e, tile, row0, rows_left, n_out, ctid, wg):
+        """Store a unit's sums: accumulator element i is weight row tCcC[i][0] of this warpgroup's 64, row of A
+        tCcC[i][1] of the m-tile's 16."""
+        if const_expr(self.gated):
+            # Warpgroup 1's up sums to warpgroup 0, which holds the same columns' gate sums. Barrier 1: warpgroup 0
+            # has read the unit before's; barrier 2: warpgroup 1 has written this one's.
+            cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMERS * 128)
+            if wg == 1:
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    sUp[ctid, i] = acc[i]
+            cute.arch.barrier(barrier_id=2, number_of_threads=CONSUMERS * 128)
+            if wg == 0:
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    mrow, c = tCcC[i]
+                    col = tile * GATE_COLS + mrow
+                    if (c < rows_left) & (col < n_out):
+                        g = acc[i]
+                        up = sUp[ctid, i]
+                        if const_expr(self.epi.has_bias):
+                            g = g + mB[e, 0, col]
+                            up = up + mB[e, 1, col]
+                        mC[row0 + c, col] = _gated(self.epi.activation, g, up, self.epi.alpha, self.epi.limit).to(BF16)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                mrow, c = tCcC[i]
+                col = tile * TILE_ROWS + wg * 64 + mrow
+                if (c < rows_left) & (col < n_out):
+                    if const_expr(self.epi.has_bias):
+                        mC[row0 + c, col] = acc[i] + mB[e, col]
+                    else:
+                        mC[row0 + c, col] = acc[i]

@@ -1,0 +1,183 @@
+"""The w4a16 grouped GEMM (cute_kernels/w4a16_grouped.py) on a Hopper GPU against float64 of the decoded mxfp4
+weights, on fresh random codes, scales and rows: both tile kinds, every gated activation, biases, empty experts,
+N and K off the tile sizes, scales above 2^1 and NaN, CUDA-graph capture, gpt-oss's shapes.
+
+Outputs are poisoned with NaN first, so an element the kernel fails to write fails the test.
+Run on the GPU host: python -m pytest -m gpu tests/cute_kernels/test_w4a16_gpu.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_ops.activation import ACTIVATIONS, DEFAULTS
+
+pytestmark = pytest.mark.gpu
+
+E2M1 = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0), dtype=torch.float64)
+GATED = [kind for kind, (gated, _) in ACTIVATIONS.items() if gated]
+
+
+@pytest.fixture(scope="module")
+def iface():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a Hopper (sm_90) GPU")
+    from cute_kernels import interface
+
+    return interface
+
+
+def mxfp4(e, n, k, low=122, high=130):
+    """Fresh random codes and e8m0 scales in [low, high] (127 is 2^0; above 128 takes the kernel's second multiply)."""
+    codes = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda")
+    return codes, torch.randint(low, high + 1, (e, n, k // 32), dtype=torch.uint8, device="cuda")
+
+
+def decode64(codes, scales):
+    """float64 [E, N, K]: e2m1 value times 2^(s - 127); NaN for s = 255."""
+    nib = torch.stack((codes & 0xF, codes >> 4), -1).flatten(-2).long()
+    s = scales.double()
+    mult = torch.where(scales == 255, float("nan"), torch.exp2(s - 127)).repeat_interleave(32, -1)
+    return E2M1.to(codes.device)[nib] * mult
+
+
+def act64(sums, kind, interleaved):
+    """float64 act(gate, up) of [P, 2I] sums, by moe_ops' activation table, at the kind's default parameters."""
+    params = {"alpha": 1.702, "limit": 7.0, **DEFAULTS.get(kind, {})}
+    inter = sums.shape[1] // 2
+    gate, up = (sums[:, 0::2], sums[:, 1::2]) if interleaved else (sums[:, :inter], sums[:, inter:])
+    return ACTIVATIONS[kind][1](gate, up, params["alpha"], params["limit"])
+
+
+def offsets_for(counts):
+    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+
+def grouped_sums(a, w64, offsets, bias=None):
+    """float64 [P, N]: each expert's rows times its decoded weights (+ bias [E, N]); and the |a| @ |w| bound."""
+    off = offsets.tolist()
+    sums = torch.full((a.shape[0], w64.shape[1]), float("nan"), dtype=torch.float64, device=a.device)
+    bound = torch.zeros_like(sums)
+    for x in range(w64.shape[0]):
+        rows = a[off[x] : off[x + 1]].double()
+        sums[off[x] : off[x + 1]] = rows @ w64[x].T + (0 if bias is None else bias[x].double())
+        bound[off[x] : off[x + 1]] = rows.abs() @ w64[x].abs().T
+    return sums, bound
+
+
+COUNTS = [[1, 0, 0, 0], [3, 0, 17, 1, 0, 40, 2, 9], [0, 0, 130, 0, 7, 0, 0, 33]]
+
+
+@pytest.mark.parametrize("counts", COUNTS, ids=["M1", "ragged", "empty-experts"])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("n,k", [(200, 320), (256, 2880)])
+def test_rows_against_float64(iface, counts, with_bias, n, k):
+    from cute_kernels import w4a16_pack as wp
+
+    e = len(counts)
+    codes, scales = mxfp4(e, n, k)
+    offsets = offsets_for(counts)
+    p = int(sum(counts))
+    a = torch.randn(p, k, device="cuda").bfloat16()
+    bias = torch.randn(e, n, device="cuda") if with_bias else None
+    packed = wp.pack_mxfp4_experts(codes, scales, kind="rows")
+    out = torch.full((p, n), float("nan"), device="cuda")
+    iface.w4a16_grouped_gemm(a, packed, offsets, n=n, bias=bias, out=out)
+    want, bound = grouped_sums(a, decode64(codes, scales), offsets, bias)
+    # float32 accumulation of exact products: a few ulps of the sum of magnitudes
+    assert ((out.double() - want).abs() <= 1e-5 * bound + 1e-6 * want.abs()).all(), (out.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("activation", GATED)
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_gated_against_float64(iface, activation, layout):
+    """GEMM1 with its activation in the epilogue: bf16 act(gate + b_gate, up + b_up) of the float64 sums."""
+    from cute_kernels import w4a16_pack as wp
+
+    counts = COUNTS[1]
+    e, inter, k = len(counts), 96, 256
+    codes, scales = mxfp4(e, 2 * inter, k)
+    offsets = offsets_for(counts)
+    p = int(sum(counts))
+    a = torch.randn(p, k, device="cuda").bfloat16()
+    bias = torch.randn(e, 2 * inter, device="cuda")
+    packed = wp.pack_mxfp4_experts(codes, scales, kind="gate_up", gate_layout=layout)
+    out = torch.full((p, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+    params = {"alpha": 1.702, "limit": 7.0, **DEFAULTS.get(activation, {})}
+    iface.w4a16_grouped_gemm(a, packed, offsets, n=2 * inter, activation=activation, **params,
+                             bias=wp.pack_bias(bias, kind="gate_up", gate_layout=layout), out=out)  # fmt: skip
+    sums, _ = grouped_sums(a, decode64(codes, scales), offsets, bias)
+    want = act64(sums, activation, layout == "interleaved")
+    err = (out.double() - want).abs()
+    # bf16 rounding of the result (2^-9 relative) and the epilogue's fast sigmoid / erf / tanh
+    assert (err <= 8e-3 * want.abs() + 1e-3 * want.abs().max()).all(), (activation, layout, err.max())
+
+
+def test_scales_above_two_and_nan(iface):
+    """Scales above 2^1 (e8m0 129..160) take the second multiply; a weight row with a NaN scale (255) gives a NaN
+    column and leaves every other column exact."""
+    from cute_kernels import w4a16_pack as wp
+
+    counts = [5, 16, 3]
+    e, n, k = len(counts), 128, 256
+    codes, scales = mxfp4(e, n, k, low=100, high=160)
+    scales[1, 7, 3] = 255
+    offsets = offsets_for(counts)
+    a = torch.randn(sum(counts), k, device="cuda").bfloat16() * 2.0**-20  # keeps 2^33-scaled sums finite in float32
+    out = torch.full((sum(counts), n), float("nan"), device="cuda")
+    iface.w4a16_grouped_gemm(a, wp.pack_mxfp4_experts(codes, scales, kind="rows"), offsets, n=n, out=out)
+    want, bound = grouped_sums(a, decode64(codes, scales), offsets)
+    nan_col = torch.zeros_like(out, dtype=torch.bool)
+    nan_col[5:21, 7] = True
+    assert (out.isnan() == nan_col).all()
+    ok = ~nan_col
+    assert ((out.double() - want).abs()[ok] <= 1e-5 * bound[ok]).all()
+
+
+def test_cuda_graph_replays_on_new_rows(iface):
+    """Captured in a CUDA graph (the launch goes to torch's current stream), replayed on new values of a."""
+    from cute_kernels import w4a16_pack as wp
+
+    counts = COUNTS[1]
+    e, n, k = len(counts), 256, 512
+    codes, scales = mxfp4(e, n, k)
+    packed = wp.pack_mxfp4_experts(codes, scales, kind="rows")
+    offsets = offsets_for(counts)
+    a = torch.randn(sum(counts), k, device="cuda").bfloat16()
+    out = torch.empty(sum(counts), n, device="cuda")
+    iface.w4a16_grouped_gemm(a, packed, offsets, n=n, out=out)  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        iface.w4a16_grouped_gemm(a, packed, offsets, n=n, out=out)
+    for _ in range(2):
+        a.copy_(torch.randn_like(a, dtype=torch.float32).bfloat16())
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, bound = grouped_sums(a, decode64(codes, scales), offsets)
+        assert ((out.double() - want).abs() <= 1e-5 * bound).all()
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpt_oss_shapes(iface, m):
+    """gpt-oss-120b's expert GEMMs (E = 128, top-4, H = I = 2880): GEMM1 with swigluoai on interleaved gate/up rows
+    and biases, then GEMM2 with its bias, on a routing of m tokens."""
+    from cute_kernels import w4a16_pack as wp
+
+    e, top_k, hidden, inter = 128, 4, 2880, 2880
+    ids = torch.stack([torch.randperm(e)[:top_k] for _ in range(m)])
+    counts = torch.bincount(ids.flatten(), minlength=e).tolist()
+    offsets = offsets_for(counts)
+    p = m * top_k
+    c13, s13 = mxfp4(e, 2 * inter, hidden, 118, 122)
+    c2, s2 = mxfp4(e, hidden, inter, 118, 122)
+    b13, b2 = torch.randn(e, 2 * inter, device="cuda"), torch.randn(e, hidden, device="cuda")
+    a = torch.randn(p, hidden, device="cuda").bfloat16()
+    h = iface.w4a16_grouped_gemm(a, wp.pack_mxfp4_experts(c13, s13, kind="gate_up", gate_layout="interleaved"), offsets,
+                                 n=2 * inter, activation="swigluoai", bias=wp.pack_bias(b13, kind="gate_up", gate_layout="interleaved"))  # fmt: skip
+    y = iface.w4a16_grouped_gemm(h, wp.pack_mxfp4_experts(c2, s2, kind="rows"), offsets, n=hidden, bias=b2)
+    sums, _ = grouped_sums(a, decode64(c13, s13), offsets, b13)
+    want_h = act64(sums, "swigluoai", True)
+    assert ((h.double() - want_h).norm() / want_h.norm()).item() < 4e-3
+    want_y, bound = grouped_sums(h, decode64(c2, s2), offsets, b2)  # GEMM2 on the kernel's own bf16 h: exact products
+    assert ((y.double() - want_y).abs() <= 1e-5 * bound).all()

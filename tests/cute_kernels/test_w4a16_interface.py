@@ -1,0 +1,63 @@
+"""interface.w4a16_grouped_gemm refuses what the kernel cannot read, naming the argument, before any compile or
+launch (CPU tensors: every check but the device's runs before the device is looked at)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+pytest.importorskip("tvm_ffi")
+
+from cute_kernels import interface  # noqa: E402
+from cute_kernels import w4a16_pack as wp  # noqa: E402
+
+E, P, N, K = 4, 10, 256, 320
+
+
+def _args(**change):
+    args = dict(
+        a=torch.zeros(P, K, dtype=torch.bfloat16),
+        packed=torch.zeros(E, 2, 3, wp.WORDS, dtype=torch.int32),
+        offsets=torch.tensor([0, 3, 3, 9, P], dtype=torch.int32),
+        n=N,
+    )
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (dict(a=torch.zeros(P, K)), TypeError, "a: dtype torch.float32; the kernels take torch.bfloat16"),
+        (dict(a=torch.zeros(P, 100, dtype=torch.bfloat16)), ValueError, "a: K = 100; the mxfp4 weights want a positive multiple of 32"),
+        (dict(a=torch.zeros(2 * K, P, dtype=torch.bfloat16).T[:, :K]), ValueError, "not contiguous"),
+        (dict(packed=torch.zeros(E, 3, 3, wp.WORDS, dtype=torch.int32)), ValueError, r"packed: shape \[4, 3, 3, 2176\]; expected \[4, 2, 3, 2176\]"),
+        (dict(packed=torch.zeros(E, 2, 3, wp.WORDS, dtype=torch.uint8)), TypeError, "packed: dtype torch.uint8"),
+        (dict(offsets=torch.tensor([0, 3, 3, 9, P])), TypeError, "offsets: dtype torch.int64"),
+        (dict(n=255, activation="silu"), ValueError, "n = 255; expected the weights' row count"),
+        (dict(activation="relu2"), ValueError, "W4Epilogue.activation: got 'relu2'"),
+        (dict(bias=torch.zeros(E, N, dtype=torch.bfloat16)), TypeError, "bias: dtype torch.bfloat16; the kernels take torch.float32"),
+        (dict(bias=torch.zeros(E, 2, N // 2)), ValueError, r"bias: shape \[4, 2, 128\]; expected \[4, 256\]"),
+        (dict(out=torch.zeros(P, N, dtype=torch.bfloat16)), TypeError, "out: dtype torch.bfloat16; the kernels take torch.float32"),
+        (dict(offsets=torch.zeros(1100, dtype=torch.int32)), ValueError, "offsets: 1099 experts"),
+        ({}, ValueError, "the kernels do not serve this call: cpu: the kernels run on CUDA GPUs"),
+    ],
+)
+def test_bad_input_is_refused(change, error, match):
+    with pytest.raises(error, match=match):
+        interface.w4a16_grouped_gemm(**_args(**change))
+
+
+def test_gate_up_shapes():
+    """With an activation the packed tiles are 64 output columns each and the bias is [E, 2, n / 2]."""
+    args = _args(packed=torch.zeros(E, 2, 3, wp.WORDS, dtype=torch.int32), activation="swigluoai",
+                 bias=torch.zeros(E, 2, N // 2))  # fmt: skip
+    with pytest.raises(ValueError, match="the kernels do not serve this call"):  # every shape accepted: only the device is left
+        interface.w4a16_grouped_gemm(**args)
+    with pytest.raises(ValueError, match=r"bias: shape \[4, 256\]; expected \[4, 2, 128\]"):
+        interface.w4a16_grouped_gemm(**{**args, "bias": torch.zeros(E, N)})
+
+
+def test_variants_cover_every_gated_activation_with_and_without_bias():
+    got = {(v.activation, v.has_bias) for v in interface.w4a16_variants()}
+    assert got == {(act, bias) for act in (None, *interface.GATED) for bias in (False, True)}
