@@ -618,15 +618,22 @@ def down_reduce(a, w, bias, offsets, topk_weights, inverse, out=None, tiles=None
     fn = _gemm(epi, False, dtype, bias.dtype if bias is not None else dtype, sms, *tiles, early=bool(weights_early))
     # GEMM2 gathers nothing: inverse stands in for the gather pointer, which this variant never reads.
     _launch_gemm(fn, a, (w, w), y, offsets, inverse, bias, hidden, hidden * inter, scales=scales)
+    return _launch_token_sum(y, inverse, topk_weights, offsets, out, norm_weight, norm_eps)
+
+
+def _launch_token_sum(y, inverse, topk_weights, offsets, out, norm_weight, norm_eps):
+    """out [M, H] = the router-weighted sum of each token's k rows of y [P, H] (each row normalized first
+    with norm_weight); the arguments checked by the caller."""
+    (m, k), hidden, num_experts = topk_weights.shape, y.shape[1], offsets.shape[0] - 1
     if norm_weight is not None:
         _launch(
-            _norm_token_sum(dtype, norm_weight.dtype), a.device,
+            _norm_token_sum(y.dtype, norm_weight.dtype), y.device,
             _ptr(y), _ptr(inverse), _ptr(topk_weights), _ptr(offsets), _ptr(norm_weight), _ptr(out),
             *_int32(m, k, hidden, num_experts), float(norm_eps),
         )  # fmt: skip
         return out
     _launch(
-        _token_sum(dtype), a.device,
+        _token_sum(y.dtype), y.device,
         _ptr(y), _ptr(inverse), _ptr(topk_weights), _ptr(offsets), _ptr(out), *_int32(m, k, hidden, num_experts),
     )  # fmt: skip
     return out
@@ -675,13 +682,13 @@ def precompile(dtype=torch.bfloat16, sms: int | None = None, bias_dtypes=(None,)
 def w4a16_variants() -> list[W4Epilogue]:
     """Every W4Epilogue a caller can request: float32 sums (GEMM2, or GEMM1 without an activation) and each
     gated activation at its default parameters, each with and without a bias."""
-    acts = (None, *GATED)
-    return [W4Epilogue(act, has_bias=bias) for act in acts for bias in (False, True)]
+    rows = [W4Epilogue(None, has_bias=bias, rows_bf16=bf16) for bias in (False, True) for bf16 in (False, True)]
+    return rows + [W4Epilogue(act, has_bias=bias) for act in GATED for bias in (False, True)]
 
 
 def w4a16_compile_args(epilogue: W4Epilogue) -> tuple:
     """Placeholder arguments with W4a16GroupedSm90.__call__'s types."""
-    out = cutlass.BFloat16 if epilogue.activation is not None else cutlass.Float32
+    out = cutlass.BFloat16 if epilogue.activation is not None or epilogue.rows_bf16 else cutlass.Float32
     # the packed words as bytes: the kernel's TMA box is counted in bytes (w4a16_grouped.ROW_W)
     ptrs = (cc.fake_ptr(cutlass.Uint8), cc.fake_ptr(cutlass.BFloat16), cc.fake_ptr(cutlass.Int32), cc.fake_ptr(out), cc.fake_ptr(cutlass.Float32))
     return (*ptrs, *[Int32(128)] * 5, cc.fake_stream())
@@ -692,15 +699,18 @@ def _w4a16(epilogue: W4Epilogue):
 
 
 def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = None, alpha: float = 1.702,
-                       limit: float = 7.0, bias=None, out=None) -> torch.Tensor:  # fmt: skip
+                       limit: float = 7.0, bias=None, out=None, out_dtype=torch.float32) -> torch.Tensor:  # fmt: skip
     """The grouped GEMM of bf16 rows with mxfp4 experts (w4a16_grouped.py).
 
     a [P, K] bf16: each expert's rows contiguous, expert e's at offsets[e]:offsets[e + 1] (int32 [E + 1]);
     packed: pack_mxfp4_experts(codes [E, n, K/2], scales, kind="rows" when activation is None, else "gate_up").
-    activation None: returns float32 [P, n] = a @ W[e].T (+ bias [E, n] float32);
+    activation None: returns [P, n] = a @ W[e].T (+ bias [E, n] float32) in out_dtype (float32 or bf16);
     a GATED activation: returns bf16 [P, n / 2] = act(gate, up) of the sums (+ bias [E, 2, n / 2] float32,
     pack_bias). Rows past offsets[E] are not written. out: the result's tensor, or None for a new one."""
-    epi = W4Epilogue(activation, alpha, limit, bias is not None)  # ValueError for an unknown activation
+    if activation is None and out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype: got {out_dtype}; allowed without an activation: torch.float32, torch.bfloat16")
+    rows_bf16 = activation is None and out_dtype == torch.bfloat16
+    epi = W4Epilogue(activation, alpha, limit, bias is not None, rows_bf16)  # ValueError for an unknown activation
     kind = "rows" if activation is None else "gate_up"
     if not isinstance(a, torch.Tensor):
         raise TypeError(f"a: expected a tensor, got {type(a).__name__}")
@@ -717,7 +727,7 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
     n_out = w4_pack.output_columns(kind, n)
     tiles = _cdiv(n, w4_pack.TILE_ROWS) if kind == "rows" else _cdiv(n_out, w4_pack.TILE_ROWS // 2)
     bias_shape = (num_experts, n) if kind == "rows" else (num_experts, 2, n_out)
-    out_dtype = torch.float32 if kind == "rows" else torch.bfloat16
+    out_dtype = out_dtype if kind == "rows" else torch.bfloat16
     _check_tensors(
         a=(a, (p, k), (torch.bfloat16,)),
         packed=(packed, (num_experts, tiles, _cdiv(k, w4_pack.KT), w4_pack.WORDS), (torch.int32,)),
@@ -737,3 +747,25 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
         *_int32(num_experts, n_out, k, p, num_sms(a.device.index)),
     )  # fmt: skip
     return out
+
+
+def w4a16_down_reduce(a, packed, bias, offsets, topk_weights, inverse, *, n: int, out=None, norm_weight=None,
+                      norm_eps: float = 1e-6) -> torch.Tensor:  # fmt: skip
+    """GEMM2 with mxfp4 experts, then the token sum: [M, n] bf16 = sum_j topk_weights[m, j] *
+    (a[inverse[m*k+j]] @ W[e].T + bias[e]), each row normalized first with norm_weight [n] (bf16 or float32).
+    a [P, I] bf16 grouped by offsets; packed: kind "rows"; bias [E, n] float32. y, the GEMM's rows, in bf16 as the
+    bf16 layer's (down_reduce). Every element of the output is written."""
+    _check_tensors(topk_weights=(topk_weights, (None, None), (torch.float32,)))
+    m, k = topk_weights.shape
+    _check_tensors(
+        a=(a, (m * k, None), (torch.bfloat16,)), inverse=(inverse, (m * k,), _INDEX),
+        out=(out, (m, n), (torch.bfloat16,)), norm_weight=(norm_weight, (n,), (torch.bfloat16, torch.float32)),
+    )  # fmt: skip
+    if norm_weight is not None and not norm_eps > 0:
+        raise ValueError(f"norm_eps: got {norm_eps}; allowed: > 0")
+    _check_aligned(topk_weights=topk_weights, inverse=inverse, out=out, norm_weight=norm_weight)
+    y = w4a16_grouped_gemm(a, packed, offsets, n=n, bias=bias, out_dtype=torch.bfloat16)  # checks the rest
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device) if out is None else out
+    if m == 0:
+        return out
+    return _launch_token_sum(y, inverse, topk_weights, offsets, out, norm_weight, norm_eps)

@@ -17,7 +17,7 @@ consumer warpgroups decode and multiply 64 weight rows each. Rows of an m-tile p
 expert's, or zeros past P) are multiplied and not stored.
 
 Epilogue, by the tile kind the weights were packed as:
-- "rows" (activation None): C [P, N] float32 = the sums (+ bias [E, N]);
+- "rows" (activation None): C [P, N] float32 (or bf16, rows_bf16) = the sums (+ bias [E, N]);
 - "gate_up" (a GATED activation): warpgroup 1's up sums join warpgroup 0's gate sums of the same 64 columns
   through shared memory; C [P, N / 2] bf16 = act(gate (+ bias[e, 0]), up (+ bias[e, 1])), bias [E, 2, N / 2].
 
@@ -66,17 +66,21 @@ MAG = 0x01C001C0
 
 @dataclass(frozen=True)
 class W4Epilogue:
-    """activation: None (the "rows" kind: float32 sums) or a GATED kind (the "gate_up" kind: bf16 act(gate, up));
-    alpha, limit: the activation's parameters (moe_gemm.READS); has_bias: float32 biases added to the sums."""
+    """activation: None (the "rows" kind: the sums) or a GATED kind (the "gate_up" kind: bf16 act(gate, up));
+    alpha, limit: the activation's parameters (moe_gemm.READS); has_bias: float32 biases added to the sums;
+    rows_bf16: the "rows" kind stores bf16 (for the token sum kernels) instead of float32."""
 
     activation: str | None = None
     alpha: float = 1.702
     limit: float = 7.0
     has_bias: bool = False
+    rows_bf16: bool = False
 
     def __post_init__(self):
         if self.activation is not None and self.activation not in GATED:
             raise ValueError(f"W4Epilogue.activation: got {self.activation!r}; allowed: None, {', '.join(map(repr, GATED))}")
+        if self.activation is not None and self.rows_bf16:
+            raise ValueError("W4Epilogue.rows_bf16: only without an activation (an activation's output is bf16 already)")
         # A parameter the activation does not read keeps its default, so that it names no variant of its own.
         for name in ("alpha", "limit"):
             if name not in READS.get(self.activation, ()):
@@ -376,7 +380,7 @@ class W4a16GroupedSm90:
                 mrow, c = tCcC[i]
                 col = tile * TILE_ROWS + wg * 64 + mrow
                 if (c < rows_left) & (col < n_out):
+                    v = acc[i]
                     if const_expr(self.epi.has_bias):
-                        mC[row0 + c, col] = acc[i] + mB[e, col]
-                    else:
-                        mC[row0 + c, col] = acc[i]
+                        v = v + mB[e, col]
+                    mC[row0 + c, col] = v.to(mC.element_type)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_ops import dequant_kernels, fp8_kernels
+from moe_ops import dequant_kernels, fp8_kernels, w4_kernels
 from moe_ops.eager_kernels import COLUMN_MAJOR_REMEDY, gate_layout
 from moe_ops.gemm import _W_PACKING
 
@@ -122,10 +122,20 @@ def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
         return ok, why
     if _fp8(recipe):
         return True, fp8_kernels.reason(recipe["a_group"], recipe["w_group"]) + why
+    if _w4(recipe):
+        return True, w4_kernels.REASON + why
     too_big = dequant_kernels.why_not(which, recipe["num_experts"], n, k, dtype)
     if too_big is not None:
         return False, too_big
     return True, dequant_kernels.REASON.format(dtype=dtype) + why
+
+
+def _w4(recipe: dict) -> bool:
+    """Whether a quantized recipe runs on the w4a16 kernels (w4_kernels.py) rather than decoded."""
+    return w4_kernels.serves(
+        recipe["a_dtype"], recipe["w_dtype"], recipe["w_group"], recipe["compute_dtype"], recipe.get("activation"),
+        recipe.get("out_quant_dtype", "none"),
+    )  # fmt: skip
 
 
 def _fp8(recipe: dict) -> bool:
@@ -149,7 +159,7 @@ def _choose(op: str, recipe: dict, device: torch.device, tensors: dict | None = 
             ok, why = False, off
         if ok:
             quantized = recipe["quantized"]
-            label = ("cute+fp8" if _fp8(recipe) else "cute+dequant") if quantized else "cute"
+            label = ("cute+fp8" if _fp8(recipe) else "cute+w4" if _w4(recipe) else "cute+dequant") if quantized else "cute"
             choice = Choice(label, why, _KERNELS[op, quantized])
         else:
             choice = Choice("reference", why)

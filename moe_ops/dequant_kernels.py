@@ -2,7 +2,8 @@
 the activations' dtype, then the bf16/fp16 CuTe DSL kernels (cute_kernels.interface).
 
 The fp8 schemes (per-tensor, per-token, 128x128 blocks; bf16 layers) skip all this: the kernels multiply
-their codes (fp8_kernels.py, dispatched from gate_up and down_reduce here). For the others: the reference, which
+their codes (fp8_kernels.py, dispatched from gate_up and down_reduce here); so does mxfp4_w4a16 in bf16 layers
+with a gated activation, whose kernels decode the codes in registers (w4_kernels.py). For the others: the reference, which
 every quantized scheme ran on before, multiplies float32 values on CUDA one gathered weight per grouped row (its grouped_mm has no
 float32 path without a host sync): 105 ms for a qwen3-shaped fp8 layer at M = 1024, 361 ms for gpt-oss
 in mxfp4 (bench/NOTES.md v43). Here each call decodes the weights it reads once, into the activations'
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fp8_kernels
+from . import fp8_kernels, w4_kernels
 from .expert_slots import expert_slots
 from .gemm import _CHUNK_BYTES, _dequantizer
 from .quant.formats import PACKING
@@ -116,6 +117,11 @@ def gate_up(
             gate_layout=gate_layout, out_quant_dtype=out_quant_dtype, out_quant_group=out_quant_group, out_scale=out_scale,
             out_global_scale=out_global_scale, expert_ids=expert_ids,
         )  # fmt: skip
+    if w4_kernels.serves(a_dtype, w_dtype, w_group, x.dtype, activation, out_quant_dtype):
+        return w4_kernels.gate_up(
+            interface, x=x, w=w, w_scale=w_scale, bias=bias, expert_offsets=expert_offsets, gather_idx=gather_idx,
+            activation=activation, alpha=alpha, limit=limit, gate_layout=gate_layout,
+        ), x.new_empty((0,), dtype=torch.float32)  # fmt: skip
     dtype = x.dtype
     if a_dtype != "none":
         q, s = quantize(x, a_dtype, list(a_group), a_scale, a_global_scale)
@@ -149,6 +155,11 @@ def down_reduce(
         return fp8_kernels.down_reduce(
             interface, a=a, a_scale=a_scale, w=w, w_scale=w_scale, w_group=w_group, bias=bias, expert_offsets=expert_offsets,
             topk_weights=topk_weights, inverse=inverse, out_dtype=out_dtype, norm_weight=norm_weight, norm_eps=norm_eps,
+        )  # fmt: skip
+    if w4_kernels.serves(a_dtype, w_dtype, w_group, out_dtype):
+        return w4_kernels.down_reduce(
+            interface, a=a, w=w, w_scale=w_scale, bias=bias, expert_offsets=expert_offsets, topk_weights=topk_weights,
+            inverse=inverse, norm_weight=norm_weight, norm_eps=norm_eps,
         )  # fmt: skip
     rows = a.shape[0]
     x = _activations(a, a_dtype, a_group, a_scale, a_global_scale, out_dtype)

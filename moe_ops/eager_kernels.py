@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from . import _checks, dequant_kernels, fp8_kernels
+from . import _checks, dequant_kernels, fp8_kernels, w4_kernels
 from .activation import ACTIVATIONS, Activation
 from .quant.config import QuantConfig
 from .quant.scheme import op_args
@@ -111,7 +111,9 @@ def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_
     ):
         if not ok:
             return interface, why
-    if quantized and not fp8_kernels.serves(*op_args(scheme.activation), *op_args(scheme.weight), x.dtype):
+    (a_dtype, _), (w_dtype, w_group) = op_args(scheme.activation), op_args(scheme.weight)
+    w4 = w4_kernels.serves(a_dtype, w_dtype, w_group, x.dtype, act.kind) and w4_kernels.serves(a_dtype, w_dtype, w_group, x.dtype)
+    if quantized and not w4 and not fp8_kernels.serves(*op_args(scheme.activation), *op_args(scheme.weight), x.dtype):
         for which, n, k in (("w13", n13, hidden), ("w2", hidden, intermediate)):
             too_big = dequant_kernels.why_not(which, num_experts, n, k, x.dtype)
             if too_big is not None:

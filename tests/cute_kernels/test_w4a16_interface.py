@@ -58,6 +58,8 @@ def test_gate_up_shapes():
         interface.w4a16_grouped_gemm(**{**args, "bias": torch.zeros(E, N)})
 
 
-def test_variants_cover_every_gated_activation_with_and_without_bias():
-    got = {(v.activation, v.has_bias) for v in interface.w4a16_variants()}
-    assert got == {(act, bias) for act in (None, *interface.GATED) for bias in (False, True)}
+def test_variants_cover_every_epilogue():
+    """Each gated activation, and the plain sums in float32 and bf16, each with and without a bias."""
+    want = {(act, bias, False) for act in interface.GATED for bias in (False, True)}
+    want |= {(None, bias, bf16) for bias in (False, True) for bf16 in (False, True)}
+    assert {(v.activation, v.has_bias, v.rows_bf16) for v in interface.w4a16_variants()} == want

@@ -220,6 +220,44 @@ def _int4_args(op: str) -> dict:
     return args
 
 
+def _mxfp4_args(op: str, activation: str = "silu") -> dict:
+    """The op's meta arguments with mxfp4 weights (mxfp4_w4a16: packed uint8 [E, N, K/2], e8m0 1x32 scales)."""
+    args = _meta_args(op)
+    w = args["w"]
+    args.update(w=torch.empty(*w.shape[:2], w.shape[2] // 2, dtype=torch.uint8, device="meta"), w_dtype="mxfp4", w_group=[1, 32])
+    if op == "gate_up":
+        args.update(activation=activation)
+    return args
+
+
+@pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
+def test_mxfp4_w4a16_runs_on_the_w4a16_kernels(op, monkeypatch):
+    """mxfp4 weights with bf16 activations and a gated activation take the w4a16 kernels (w4_kernels.py: the
+    codes decoded in registers), named cute+w4 with their reason and the quantized runner (which dispatches to
+    them); relu2 (no gated epilogue there) and fp16 layers stay on the decoding path."""
+    from cute_kernels import interface
+    from lowering import backend
+
+    ok, why = _support(op, _mxfp4_args(op))
+    assert ok and why.startswith("mxfp4 weights re-laid per call for the experts in use"), why
+    monkeypatch.setattr(interface, "device_support", lambda device: (True, "sm_90"))
+    choice = backend._choose(op, getattr(backend, f"{op}_recipe")(_mxfp4_args(op)), torch.device("cuda"))
+    assert (choice.backend, choice.kernel) == ("cute+w4", backend._KERNELS[op, True])
+    if op == "gate_up":
+        args = _mxfp4_args(op, "relu2")
+        args.update(w=args["w"][:, :128].contiguous(), bias=args["bias"][:, :128].contiguous())
+        assert backend._choose(op, backend.gate_up_recipe(args), torch.device("cuda")).backend == "cute+dequant"
+    half = _mxfp4_args(op)
+    if op == "gate_up":
+        half.update(x=torch.empty(half["x"].shape, dtype=torch.float16, device="meta"), out_dtype=torch.float16)
+    else:
+        half.update(a=torch.empty(half["a"].shape, dtype=torch.float16, device="meta"), out_dtype=torch.float16)
+    half.update(bias=torch.empty(half["bias"].shape, dtype=torch.float16, device="meta"))
+    if op == "down_reduce":
+        half.update(norm_weight=torch.empty(half["norm_weight"].shape, dtype=torch.float16, device="meta"))
+    assert backend._choose(op, getattr(backend, f"{op}_recipe")(half), torch.device("cuda")).backend == "cute+dequant"
+
+
 @pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
 def test_weight_only_quantization_runs_on_decoded_weights(op, monkeypatch):
     """A weight-only quantized recipe (int4 weights, bf16 activations: w4a16) is served by the kernels on

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import moe_ops
-from moe_ops import dequant_kernels, fp8_kernels
+from moe_ops import dequant_kernels, fp8_kernels, w4_kernels
 from moe_ops.activation import Activation
 from moe_ops.activation import activation as activation_op
 from moe_ops.eager_kernels import _run_quantized
@@ -40,6 +40,7 @@ class ReferenceKernels:
 
     def __init__(self):
         self.calls = []
+        self.w4 = False  # whether the w4a16 kernels (w4_kernels.py) were called
 
     @staticmethod
     def _check(x, w, bias, offsets):
@@ -83,6 +84,39 @@ class ReferenceKernels:
         self.calls.append(("down_reduce", w.shape[0]))
         a, as_, a_dtype, a_group, w, ws, w_dtype, w_group, dtype = self._operands(a, a_scale, w, w_scale, out_dtype, block_scales)
         y = grouped_gemm(a, as_, None, a_dtype, a_group, w, ws, None, None, w_dtype, w_group, bias, offsets, None, dtype)
+        if norm_weight is not None:
+            y = post_expert_norm(y, norm_weight, norm_eps)
+        return weighted_reduce(y, topk_weights, inverse, offsets)
+
+
+    @staticmethod
+    def _w4_weights(packed, n, k, kind):
+        """The float32 weights [S, n, K] the w4a16 kernel multiplies, read back from its packed tiles: for
+        "gate_up" as [gate; up] rows in the tiles' column order (the kernel pairs tile rows c and 64 + c)."""
+        from cute_kernels import w4a16_pack as wp
+
+        codes, scales = wp.unpack_mxfp4_experts(packed, kind=kind, gate_layout=None if kind == "rows" else "concat", n=n, k=k)
+        return formats.dequantize(codes, "mxfp4", (1, 32), scales)
+
+    def w4a16_grouped_gemm(self, a, packed, offsets, *, n, activation=None, alpha=1.702, limit=7.0, bias=None, out=None,
+                           out_dtype=torch.float32):  # fmt: skip
+        assert a.dtype == torch.bfloat16 and a.is_contiguous() and offsets.shape == (packed.shape[0] + 1,)
+        self.calls.append(("gate_up" if activation else "down_reduce", packed.shape[0]))
+        self.w4 = True
+        kind = "rows" if activation is None else "gate_up"
+        w = self._w4_weights(packed, n, a.shape[1], kind)
+        b = None if bias is None else bias.reshape(bias.shape[0], -1)  # [S, 2, I] -> [gate | up]
+        h = grouped_gemm(a.float(), None, None, "none", [-1, -1], w, None, None, None, "none", [-1, -1], b, offsets, None, torch.float32)
+        if activation is not None:
+            h = activation_op(h, activation, alpha, limit, False)
+        h = h.to(torch.bfloat16 if activation is not None else out_dtype)
+        out = torch.full_like(h, STALE) if out is None else out
+        written = torch.arange(h.shape[0]) < offsets[-1]
+        out[written] = h[written]
+        return out
+
+    def w4a16_down_reduce(self, a, packed, bias, offsets, topk_weights, inverse, *, n, out=None, norm_weight=None, norm_eps=1e-6):
+        y = self.w4a16_grouped_gemm(a, packed, offsets, n=n, bias=bias, out_dtype=torch.bfloat16)
         if norm_weight is not None:
             y = post_expert_norm(y, norm_weight, norm_eps)
         return weighted_reduce(y, topk_weights, inverse, offsets)
@@ -170,10 +204,11 @@ def test_compositions_match_the_op_chain(case, m, dtype, mapped):
     got = _run_quantized(
         kernels, x, q13, q2, tw, Activation(), config.w13_bias, config.w2_bias, None, config, offsets, gather_idx, inverse, None
     )
-    # The fp8 kernels multiply every local expert's codes; the decoding path hands them its slots.
+    # The fp8 kernels multiply every local expert's codes; the decoding and w4a16 paths hand them their slots.
     fp8 = fp8_kernels.serves(*op_args(scheme.activation), *op_args(scheme.weight), dtype)
     experts = q13.shape[0] if fp8 else min(ids.numel(), q13.shape[0])
     assert kernels.calls == [("gate_up", experts), ("down_reduce", experts)]
+    assert kernels.w4 == w4_kernels.serves(*op_args(scheme.activation)[:1], *op_args(scheme.weight), dtype, "silu")
     a_dtype = None if scheme.activation is None else scheme.activation.dtype
     assert got.dtype == dtype
     err = relative_error(got, want)
@@ -243,7 +278,9 @@ def test_quantized_call_runs_the_kernels_on_decoded_weights(case, m, num_experts
         with moe_ops.value_checks(False):
             names = kernel_launches(lambda: fused_experts(x, q13, q2, tw, ids, quant_config=config))
     assert not [w for w in caught if "runs the reference" in str(w.message)], "a fallback warned"
-    assert sum("MoeGemm" in n for n in names) == 2, names
+    # mxfp4_w4a16 in bf16 multiplies the codes on the w4a16 kernels (w4_kernels.py), the others decoded weights
+    gemm = "W4a16Grouped" if case == "mxfp4_w4a16" else "MoeGemm"
+    assert sum(gemm in n for n in names) == 2, names
     assert not any("grouped_mm" in n or "bmm" in n.lower() or "Cijk" in n for n in names), names
     err = relative_error(out.cpu(), ref)
     assert err <= tol, (case, m, err)

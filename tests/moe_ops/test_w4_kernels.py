@@ -1,0 +1,88 @@
+"""mxfp4_w4a16 on the w4a16 kernels (moe_ops/w4_kernels.py): the per-call packing of the experts in use
+(w4_pack_kernel.py) equals cute_kernels.w4a16_pack's bit for bit, and which GEMMs the path takes.
+
+On CPU the packing kernel runs in Triton's interpreter (in a fresh subprocess); on the GPU compiled (the GPU test
+here, and the layer's numerics through tests/moe_ops/test_numerics.py's mxfp4 cases, which now run on it).
+"""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from moe_ops import w4_kernels
+from tests.triton_interpreter import needs_interpreter, run_interpreted
+
+# (kind, gate layout, N, K, expert offsets): N and K off the tile sizes, empty experts, all experts in use, one.
+CASES = [
+    ("rows", None, 200, 320, [0, 3, 3, 7, 7, 9]),
+    ("gate_up", "interleaved", 144, 96, [0, 1, 1, 1, 1, 1]),
+    ("gate_up", "concat", 192, 256, [0, 2, 4, 6, 8, 10]),
+    ("rows", None, 128, 128, [0, 0, 0, 0, 0, 5]),
+]
+
+_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from cute_kernels import w4a16_pack as wp
+    from moe_ops.expert_slots import expert_slots
+    from moe_ops.w4_pack_kernel import pack_slots
+    seed, kind, layout, n, k = int(sys.argv[1]), sys.argv[2], (None if sys.argv[3] == "None" else sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    offsets = torch.tensor([int(v) for v in sys.argv[6].split(",")], dtype=torch.int32)
+    torch.manual_seed(seed)
+    e = offsets.shape[0] - 1
+    codes = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8)
+    scales = torch.randint(0, 256, (e, n, k // 32), dtype=torch.uint8)
+    idx, slot_offsets = expert_slots(offsets, e, min(int(offsets[-1]), e))
+    got = pack_slots(codes, scales, idx, slot_offsets, kind=kind, gate_layout=layout)
+    want = wp.pack_mxfp4_experts(codes[idx.long()], scales[idx.long()], kind=kind, gate_layout=layout)
+    used = slot_offsets[1:] > slot_offsets[:-1]
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert torch.equal(got[used], want[used])
+    print("same", int(used.sum()))
+    """
+)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind,layout,n,k,offsets", CASES)
+def test_slot_packing_matches_the_reference_packer_in_interpreter(kind, layout, n, k, offsets, rng):
+    out = run_interpreted(_SCRIPT, rng.initial_seed(), kind, layout, n, k, ",".join(map(str, offsets)))
+    assert out.startswith("same"), out
+
+
+def test_served_recipes():
+    """mxfp4 (1x32) weights, unquantized bf16 activations; GEMM1 with a gated activation and no requantization."""
+    assert w4_kernels.serves("none", "mxfp4", (1, 32), torch.bfloat16)
+    assert w4_kernels.serves("none", "mxfp4", [1, 32], torch.bfloat16, "swigluoai")
+    assert not w4_kernels.serves("none", "mxfp4", (1, 32), torch.bfloat16, "relu2")
+    assert not w4_kernels.serves("none", "mxfp4", (1, 32), torch.bfloat16, "silu", out_quant_dtype="fp8")
+    assert not w4_kernels.serves("none", "mxfp4", (1, 32), torch.float16)
+    assert not w4_kernels.serves("fp8", "mxfp4", (1, 32), torch.bfloat16)
+    assert not w4_kernels.serves("none", "nvfp4", (1, 16), torch.bfloat16)
+
+
+def test_activations_are_the_kernels_gated_kinds():
+    pytest.importorskip("cutlass")
+    from cute_kernels.moe_gemm import GATED
+
+    assert w4_kernels.ACTIVATIONS == GATED
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,layout,n,k,offsets", CASES + [("gate_up", "interleaved", 5760, 2880, [0, 1, 2, 2, 3, 4])])
+def test_cuda_slot_packing_matches_the_reference_packer(kind, layout, n, k, offsets):
+    from cute_kernels import w4a16_pack as wp
+    from moe_ops.expert_slots import expert_slots
+    from moe_ops.w4_pack_kernel import pack_slots
+
+    offsets = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    e = offsets.shape[0] - 1
+    codes = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda")
+    scales = torch.randint(0, 256, (e, n, k // 32), dtype=torch.uint8, device="cuda")
+    idx, slot_offsets = expert_slots(offsets, e, min(int(offsets[-1]), e))
+    got = pack_slots(codes, scales, idx, slot_offsets, kind=kind, gate_layout=layout)
+    want = wp.pack_mxfp4_experts(codes[idx.long()], scales[idx.long()], kind=kind, gate_layout=layout)
+    used = slot_offsets[1:] > slot_offsets[:-1]
+    assert torch.equal(got[used], want[used])
