@@ -28,7 +28,7 @@ from .plan_kernel import on_device
 def _place(code, i: tl.constexpr, j: tl.constexpr):
     """e2m1 code (uint32, 0..15) of output i, half j -> its bits in the word: the sign (bit 3) at 15 + 16 j -
     SIGN_SHIFT[i], and (E1, E0, M), three adjacent bits, ending at 6 + 16 j - MAG_SHIFT[i] (MAG_SHIFT = 0, 3, 6,
-    -3; SIGN_SHIFT = i). Two shifts of masked codes: the packing is ALU-bound (~1.8 TB/s moved, H200)."""
+    -3; SIGN_SHIFT = i). Two shifts of masked codes."""
     mag_shift: tl.constexpr = 3 * i - 12 * (i // 3)
     return ((code & 8) << (12 + 16 * j - i)) | ((code & 7) << (6 + 16 * j - mag_shift))
 
@@ -93,9 +93,10 @@ def pack_slots(codes: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor, slo
     out = torch.empty((slots, tiles, k_tiles, wp.WORDS), dtype=torch.int32, device=codes.device)
     if slots == 0:
         return out
+    # ~2 TB/s moved (H200) whatever the launch: 4 or 8 warps, 1 to 23 k-tiles per program (bench/NOTES.md v55)
     with on_device(codes.device):
         _pack_chunk[(slots, tiles * k_tiles)](
             codes, scales, idx, slot_offsets, rows, out, n, k // 2, k // wp.GROUP, tiles, k_tiles,
-            CODE_WORDS=wp.CODE_WORDS, SCALE_WORDS=wp.SCALE_WORDS, WORDS=wp.WORDS, num_warps=8,
+            CODE_WORDS=wp.CODE_WORDS, SCALE_WORDS=wp.SCALE_WORDS, WORDS=wp.WORDS, num_warps=4,
         )  # fmt: skip
     return out
