@@ -8,35 +8,19 @@ bytes in one buffer (a read that does nothing else). Prints µs per launch (medi
 """
 from __future__ import annotations
 
-import statistics
-
 import torch
 
 from cute_kernels import interface
 from cute_kernels import w4a16_pack as wp
+from moe_ops.bench import graph_time_us
 
 E, TOP_K, H, I = 128, 4, 2880, 2880
 GRAPH_CALLS, ROUNDS = 20, 15
 
 
 def graph_time(fn) -> float:
-    """µs per call of fn, median over ROUNDS replays of a graph of GRAPH_CALLS calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(ROUNDS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / GRAPH_CALLS)
-    return statistics.median(times)
+    """µs per call of fn: the median replay of a graph of GRAPH_CALLS calls, over ROUNDS replays."""
+    return graph_time_us(lambda: [fn() for _ in range(GRAPH_CALLS)], ROUNDS) / GRAPH_CALLS
 
 
 def main() -> None:

@@ -80,7 +80,8 @@ def row_map(kind: str, gate_layout: str | None, n: int) -> torch.Tensor:
     return torch.where(torch.cat((c, c), 1) < inter, torch.cat((gate, up), 1), -1)
 
 
-def _check(codes, scales, kind, gate_layout) -> tuple[int, int, int]:
+def check_experts(codes, scales, kind, gate_layout) -> tuple[int, int, int]:
+    """(E, N, K) of mxfp4 experts to pack as `kind`; TypeError/ValueError naming what cannot be packed."""
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.dim() != 3:
         raise TypeError(f"codes: want uint8 [E, N, K/2] (two e2m1 per byte), got {getattr(codes, 'dtype', type(codes))} "
                         f"{tuple(getattr(codes, 'shape', ()))}")  # fmt: skip
@@ -137,7 +138,7 @@ def pack_mxfp4_experts(codes: torch.Tensor, scales: torch.Tensor, *, kind: str, 
     codes uint8 [E, N, K/2] (element 2j in the low nibble of byte j), scales uint8 e8m0 [E, N, K/32]
     -> int32 [E, tiles, k_tiles, WORDS] with tiles = cdiv(N, 128) ("rows") or cdiv(N / 2, 64) ("gate_up"),
     k_tiles = cdiv(K, 128). On the codes' device, one expert at a time (the index maps are shared)."""
-    e, n, k = _check(codes, scales, kind, gate_layout)
+    e, n, k = check_experts(codes, scales, kind, gate_layout)
     device = codes.device
     k_tiles = _cdiv(k, KT)
     k_pad = k_tiles * KT

@@ -5,7 +5,8 @@ Backends:
   It dequantizes weights on each call: right everywhere, fast nowhere.
 - cute: the CuTe DSL grouped-GEMM kernels (cute_kernels) on Hopper (sm_90) GPUs: behind the fused ops
   of the lowering when compiled, called by fused_experts itself when eager (eager_kernels.py); for
-  the fp8_w8a8 schemes in bf16 on the fp8 codes (fp8_kernels.py), for the other quantized schemes on
+  the fp8_w8a8 schemes in bf16 on the fp8 codes (fp8_kernels.py), for mxfp4_w4a16 in bf16 (gated
+  activations) on the mxfp4 codes decoded in registers (w4_kernels.py), for the other quantized schemes on
   weights decoded per call (dequant_kernels.py).
 `support_table()` prints the answer to "why is this slow / unsupported?".
 """
@@ -38,6 +39,12 @@ CUTE_DECODED = (
 CUTE_FP8 = "the fp8 codes multiplied by fp8 WGMMA, scaled in the epilogue (per-tensor, per-row) or per k-tile (blocks)"
 # The schemes the fp8 kernels serve (fp8_kernels.serves), in bf16.
 CUTE_FP8_SCHEMES = ("fp8_w8a8_per_tensor", "fp8_w8a8_per_token", "fp8_w8a8_block")
+CUTE_W4 = (
+    "the mxfp4 codes decoded in registers by the w4a16 kernels, re-laid per call for the experts in use "
+    "(gated activations; relu2 layers decoded per call)"
+)
+# The schemes the w4a16 kernels serve (w4_kernels.serves), in bf16.
+CUTE_W4_SCHEMES = ("mxfp4_w4a16",)
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,8 @@ def cute_support(scheme: str, device: torch.device | str, dtype: torch.dtype = t
         return Support("cute", scheme, label, False, f"activations in {dtype}; the kernels take {CUTE_DTYPES}")
     if scheme in CUTE_FP8_SCHEMES and dtype == torch.bfloat16:  # fp8_kernels.DTYPES
         return Support("cute", scheme, label, True, CUTE_FP8)
+    if scheme in CUTE_W4_SCHEMES and dtype == torch.bfloat16:
+        return Support("cute", scheme, label, True, CUTE_W4)
     if scheme != "unquantized":
         return Support("cute", scheme, label, True, CUTE_DECODED)
     return Support("cute", scheme, label, True, "CuTe DSL grouped GEMMs with fused epilogues (H, I multiples of 64, row-major weights)")
@@ -93,7 +102,7 @@ def check_device_supports(scheme: str, device: torch.device) -> None:
 def _cell(s: Support) -> str:
     if not s.supported:
         return "no: " + s.reason
-    return {CUTE_DECODED: "yes, decoded per call", CUTE_FP8: "yes, fp8 codes"}.get(s.reason, "yes")
+    return {CUTE_DECODED: "yes, decoded per call", CUTE_FP8: "yes, fp8 codes", CUTE_W4: "yes, mxfp4 codes"}.get(s.reason, "yes")
 
 
 def support_table() -> str:

@@ -82,7 +82,7 @@ def pack_slots(codes: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor, slo
                gate_layout: str | None = None) -> torch.Tensor:  # fmt: skip
     """See the module docstring. codes, scales: uint8 mxfp4 experts; idx int32 [S], slot_offsets int32 [S + 1]
     (expert_slots.py). Returns int32 [S, tiles, k_tiles, WORDS]; slots without rows unwritten."""
-    e, n, k = wp._check(codes, scales, kind, gate_layout)
+    e, n, k = wp.check_experts(codes, scales, kind, gate_layout)
     if codes.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         # Off CUDA (the tests' stand-in kernels) torch packs every slot, as expert_slots computes there.
         return wp.pack_mxfp4_experts(codes[idx.long()], scales[idx.long()], kind=kind, gate_layout=gate_layout)

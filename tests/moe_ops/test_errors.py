@@ -475,10 +475,10 @@ def test_cute_support_reasons(case):
 
 def test_support_table_rows():
     """One row per scheme: the reference serves every scheme on CPU and CUDA; the CuTe DSL kernels
-    (bf16, sm_90) every scheme: the fp8_w8a8 schemes on their fp8 codes (fp8_kernels.py), the other
-    quantized ones on weights decoded per call (dequant_kernels.py), which the cell says. The table's
-    fp8 schemes are the ones fp8_kernels serves."""
-    from moe_ops import fp8_kernels
+    (bf16, sm_90) every scheme: the fp8_w8a8 schemes on their fp8 codes (fp8_kernels.py), mxfp4_w4a16 on its
+    mxfp4 codes (w4_kernels.py), the other quantized ones on weights decoded per call (dequant_kernels.py),
+    which the cell says. The table's fp8 and mxfp4 schemes are the ones fp8_kernels and w4_kernels serve."""
+    from moe_ops import fp8_kernels, w4_kernels
 
     rows = BACKENDS.support_table().splitlines()[2:]
     assert [r.split(" | ")[0].removeprefix("| ") for r in rows] == list(quant.SCHEMES)
@@ -486,7 +486,8 @@ def test_support_table_rows():
         scheme, ref_cpu, ref_cuda, cute = (c.strip() for c in row.strip("| ").split(" | "))
         assert ref_cpu == ref_cuda == "yes", row
         fp8 = scheme in ("fp8_w8a8_per_tensor", "fp8_w8a8_per_token", "fp8_w8a8_block")
-        want = "yes" if scheme == "unquantized" else "yes, fp8 codes" if fp8 else "yes, decoded per call"
+        w4 = scheme == "mxfp4_w4a16"
+        want = "yes" if scheme == "unquantized" else "yes, fp8 codes" if fp8 else "yes, mxfp4 codes" if w4 else "yes, decoded per call"
         assert cute == want, row
         assert BACKENDS.cute_support(scheme, "cuda", torch.float32, capability=(9, 0)).supported is False
     # The groups each kind takes in the named schemes (1xG activations and GxG weights: DeepSeek's 128s).
@@ -495,6 +496,9 @@ def test_support_table_rows():
         keys = [(a, w) for a in acts for w in weights if a and w and a[1] in groups and w[1] in groups]
         served = [fp8_kernels.serves(a[0], groups[a[1]], w[0], groups[w[1]], torch.bfloat16) for a, w in keys]
         assert (name in BACKENDS.CUTE_FP8_SCHEMES) == (bool(served) and all(served)), name
+        # mxfp4's 1xG groups are 1x32
+        w4 = [w4_kernels.serves("none" if a is None else a[0], w[0], (1, 32), torch.bfloat16) for a in acts for w in weights if w and w[1] == "1xG"]
+        assert (name in BACKENDS.CUTE_W4_SCHEMES) == (bool(w4) and all(w4)), name
         assert BACKENDS.cute_support(scheme, "cuda", torch.float32, capability=(9, 0)).supported is False
 
 
