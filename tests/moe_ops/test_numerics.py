@@ -159,6 +159,11 @@ def test_moe_float64_rounds_where_a_bf16_layer_stores():
     want = bf16(act @ w2[0].double().T)
     got = moe_float64(x, w13, w2, tw, ids, apply_router_weight_on_input=True, intermediate_dtype=torch.bfloat16)
     assert torch.equal(got, want)
+    # fused_activation: a kernel applying the activation to its float32 sums stores only its output
+    gate, up = (xin @ w13[0].double().T).chunk(2, dim=1)
+    fused = bf16(bf16(gate / (1 + torch.exp(-gate)) * up) @ w2[0].double().T)
+    got = moe_float64(x, w13, w2, tw, ids, apply_router_weight_on_input=True, intermediate_dtype=torch.bfloat16, fused_activation=True)
+    assert torch.equal(got, fused) and not torch.equal(fused, want)
 
 
 def test_moe_float64_computes_in_float64():
