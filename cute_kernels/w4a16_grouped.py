@@ -43,7 +43,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from .moe_gemm import GATED, READS, _gated
-from .w4a16_pack import CODE_WORDS, GROUPS, KT, TILE_ROWS, WORDS
+from .w4a16_pack import CODE_WORDS, GROUPS, KT, MAG_MASK, MAG_SHIFT, SIGN_MASK, SIGN_SHIFT, TILE_ROWS, WORDS
 
 BF16 = cutlass.BFloat16
 TOK = 16  # rows of A per m-tile: WGMMA's N
@@ -60,8 +60,8 @@ THREADS = 128 * (1 + CONSUMERS)
 MAX_EXPERTS = 1024
 GATE_COLS = TILE_ROWS // 2  # output columns per "gate_up" tile
 
-SIGN = 0x80008000 - (1 << 32)
-MAG = 0x01C001C0
+SIGN = SIGN_MASK - (1 << 32)  # as a signed 32-bit immediate
+MAG = MAG_MASK
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,7 @@ def scale_mults_any(word, g: int):
 def _shifted(q):
     """(magnitude source, sign source) of the word's four outputs: w4a16_pack's MAG_SHIFT (0, 3, 6, -3) and
     SIGN_SHIFT (0, 1, 2, 3). The arithmetic right shift's copied sign bits fall outside MAG."""
+    assert MAG_SHIFT == (0, 3, 6, -3) and SIGN_SHIFT == (0, 1, 2, 3)  # the shifts written out below
     l1, l2, l3 = q << 1, q << 2, q << 3
     return ((q, q), (l3, l1), (q << 6, l2), (q >> 3, l3))
 

@@ -104,10 +104,15 @@ def check_experts(codes, scales, kind, gate_layout) -> tuple[int, int, int]:
     return e, n, k
 
 
+def _rows_padded(kind: str, gate_layout: str | None, n: int, device) -> torch.Tensor:
+    """row_map with the padding rows (-1) pointing at row n, the zero row the packer appends."""
+    rmap = row_map(kind, gate_layout, n).to(device)
+    return torch.where(rmap < 0, n, rmap)
+
+
 def _word_index(kind: str, gate_layout: str | None, n: int, k_tiles: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight row, first K) of every code word of one expert's chunks, each [tiles, k_tiles, CODE_WORDS]."""
-    rmap = row_map(kind, gate_layout, n).to(device)
-    rmap = torch.where(rmap < 0, n, rmap)  # the zero row appended below
+    rmap = _rows_padded(kind, gate_layout, n, device)
     ar = lambda m: torch.arange(m, device=device)  # noqa: E731
     i_t, i_k, i_wg, i_w, i_h, i_l, i_g = torch.meshgrid(
         ar(rmap.shape[0]), ar(k_tiles), ar(2), ar(4), ar(2), ar(32), ar(GROUPS), indexing="ij"
@@ -120,8 +125,7 @@ def _word_index(kind: str, gate_layout: str | None, n: int, k_tiles: int, device
 
 def _scale_index(kind: str, gate_layout: str | None, n: int, k_tiles: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight row, scale column) of every scale byte of one expert's chunks, [tiles, k_tiles, SCALE_WORDS, 4]."""
-    rmap = row_map(kind, gate_layout, n).to(device)
-    rmap = torch.where(rmap < 0, n, rmap)
+    rmap = _rows_padded(kind, gate_layout, n, device)
     ar = lambda m: torch.arange(m, device=device)  # noqa: E731
     i_t, i_k, i_rg, i_h, i_r, i_j, i_b = torch.meshgrid(
         ar(rmap.shape[0]), ar(k_tiles), ar(TILE_ROWS // 16), ar(2), ar(8), ar(GROUPS // 4), ar(4), indexing="ij"

@@ -17,11 +17,12 @@ import torch
 
 from cute_kernels import w4a16_pack as wp
 
+from .activation import ACTIVATIONS as _ACTIVATION_TABLE
 from .expert_slots import expert_slots
 
 REASON = "mxfp4 weights re-laid per call for the experts in use and decoded in registers by the w4a16 kernels; "
-# The gated activations the w4a16 kernel's epilogue computes (cute_kernels.moe_gemm.GATED; relu2 has no gate).
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai", "silu_clamped", "swiglu_softcapped")
+# The gated activations, which the w4a16 kernel's epilogue computes (cute_kernels.moe_gemm.GATED; relu2 has no gate).
+ACTIVATIONS = tuple(kind for kind, (gated, _) in _ACTIVATION_TABLE.items() if gated)
 
 
 def serves(a_dtype: str, w_dtype: str, w_group, dtype: torch.dtype, activation: str | None = None, out_quant_dtype: str = "none") -> bool:

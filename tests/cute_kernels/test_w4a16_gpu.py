@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from moe_ops.activation import ACTIVATIONS, DEFAULTS
+from moe_ops.quant import formats
+from moe_ops.reference import apply_activation
 
 pytestmark = pytest.mark.gpu
 
-E2M1 = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0), dtype=torch.float64)
 GATED = [kind for kind, (gated, _) in ACTIVATIONS.items() if gated]
 
 
@@ -34,19 +35,13 @@ def mxfp4(e, n, k, low=122, high=130):
 
 
 def decode64(codes, scales):
-    """float64 [E, N, K]: e2m1 value times 2^(s - 127); NaN for s = 255."""
-    nib = torch.stack((codes & 0xF, codes >> 4), -1).flatten(-2).long()
-    s = scales.double()
-    mult = torch.where(scales == 255, float("nan"), torch.exp2(s - 127)).repeat_interleave(32, -1)
-    return E2M1.to(codes.device)[nib] * mult
+    """float64 [E, N, K]: e2m1 value times 2^(s - 127); NaN for s = 255 (exact in float32 at these scales)."""
+    return formats.dequantize(codes, "mxfp4", (1, 32), scales).double()
 
 
 def act64(sums, kind, interleaved):
-    """float64 act(gate, up) of [P, 2I] sums, by moe_ops' activation table, at the kind's default parameters."""
-    params = {"alpha": 1.702, "limit": 7.0, **DEFAULTS.get(kind, {})}
-    inter = sums.shape[1] // 2
-    gate, up = (sums[:, 0::2], sums[:, 1::2]) if interleaved else (sums[:, :inter], sums[:, inter:])
-    return ACTIVATIONS[kind][1](gate, up, params["alpha"], params["limit"])
+    """float64 act(gate, up) of [P, 2I] sums at the kind's default parameters."""
+    return apply_activation(sums, kind, interleaved=interleaved, **{"alpha": 1.702, "limit": 7.0, **DEFAULTS.get(kind, {})})
 
 
 def offsets_for(counts):

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from cute_kernels import w4a16_pack as wp
-
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+from moe_ops.quant.formats import E2M1_VALUES as E2M1
 
 # (kind, gate layout, N, K): N and K off the tile sizes, so the padding rows and K are packed too.
 CASES = [

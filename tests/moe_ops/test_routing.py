@@ -67,13 +67,8 @@ def llama4(row, k, bias, cfg):
     return ids, _sigmoid([row[e] for e in ids])
 
 
-def deepseek(row, k, bias, cfg):
-    """DeepSeek-V3 (scores = sigmoid, a correction bias), V2 (softmax, none) and V4 (sqrt(softplus), a
-    correction bias, one group: DeepseekV4TopKRouter's plain top-k): selection = scores + bias;
-    groups ranked by the sum of their two best selection scores with a bias, by their best one without;
-    the k best experts of the topk_group best groups (the others masked with -inf, as in vLLM's and
-    DeepSeek's inference code), weighted by their unbiased scores, renormalized if asked, times the
-    routed scaling factor."""
+def _deepseek_selection(row, bias, cfg):
+    """(scores, selection scores, group size, group scores) of DeepSeek-style routing (see deepseek)."""
     scores = SCORES[cfg["scoring"]](row)
     sel = [s + b for s, b in zip(scores, bias)] if bias is not None else scores
     size = len(row) // cfg["groups"]
@@ -81,6 +76,17 @@ def deepseek(row, k, bias, cfg):
     for g in range(cfg["groups"]):
         best = sorted(sel[g * size : (g + 1) * size], reverse=True)
         group_score.append(sum(best[:2]) if bias is not None else best[0])
+    return scores, sel, size, group_score
+
+
+def deepseek(row, k, bias, cfg):
+    """DeepSeek-V3 (scores = sigmoid, a correction bias), V2 (softmax, none) and V4 (sqrt(softplus), a
+    correction bias, one group: DeepseekV4TopKRouter's plain top-k): selection = scores + bias;
+    groups ranked by the sum of their two best selection scores with a bias, by their best one without;
+    the k best experts of the topk_group best groups (the others masked with -inf, as in vLLM's and
+    DeepSeek's inference code), weighted by their unbiased scores, renormalized if asked, times the
+    routed scaling factor."""
+    scores, sel, size, group_score = _deepseek_selection(row, bias, cfg)
     kept = _top(group_score, cfg["topk_group"])
     ids = _top(sel, k, [e for e in range(len(row)) if e // size in kept])
     w = [scores[e] for e in ids]
@@ -149,10 +155,7 @@ def _near_float32_tie(row, k, bias, cfg):
     """Whether two scores that decide DeepSeek-style routing of `row` (the k+1 best selection scores of
     the kept groups, the topk_group+1 best group scores) differ in float64 by less than FLOAT32_SCORE_GAP
     without being equal. Exact ties stay: both sides break them by the lower id."""
-    scores = SCORES[cfg["scoring"]](row)
-    sel = [s + b for s, b in zip(scores, bias)]
-    size = len(row) // cfg["groups"]
-    group_score = [sum(sorted(sel[g * size : (g + 1) * size], reverse=True)[:2]) for g in range(cfg["groups"])]
+    _, sel, size, group_score = _deepseek_selection(row, bias, cfg)
     kept = _top(group_score, cfg["topk_group"])
     deciding = [sorted((sel[e] for e in range(len(row)) if e // size in kept), reverse=True)[: k + 1]]
     if cfg["groups"] > 1:
