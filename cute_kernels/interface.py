@@ -691,7 +691,7 @@ def w4a16_compile_args(epilogue: W4Epilogue) -> tuple:
     out = cutlass.BFloat16 if epilogue.activation is not None or epilogue.rows_bf16 else cutlass.Float32
     # the packed words as bytes: the kernel's TMA box is counted in bytes (w4a16_grouped.ROW_W)
     ptrs = (cc.fake_ptr(cutlass.Uint8), cc.fake_ptr(cutlass.BFloat16), cc.fake_ptr(cutlass.Int32), cc.fake_ptr(out), cc.fake_ptr(cutlass.Float32))
-    return (*ptrs, *[Int32(128)] * 5, cc.fake_stream())
+    return (*ptrs, *[Int32(128)] * 6, cc.fake_stream())
 
 
 def _w4a16(epilogue: W4Epilogue):
@@ -703,7 +703,9 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
     """The grouped GEMM of bf16 rows with mxfp4 experts (w4a16_grouped.py).
 
     a [P, K] bf16: each expert's rows contiguous, expert e's at offsets[e]:offsets[e + 1] (int32 [E + 1]);
-    packed: pack_mxfp4_experts(codes [E, n, K/2], scales, kind="rows" when activation is None, else "gate_up").
+    packed: pack_mxfp4_experts(codes [E, n, K/2], scales, kind="rows" when activation is None, else "gate_up"),
+    int32 [E, tiles, k_tiles, WORDS], or weights tiled at load time as int32 [E, S, WORDS] (S >= tiles * k_tiles
+    chunks per expert, the first tiles * k_tiles of them read: w4a16_pack.tiled_chunks).
     activation None: returns [P, n] = a @ W[e].T (+ bias [E, n] float32) in out_dtype (float32 or bf16);
     a GATED activation: returns bf16 [P, n / 2] = act(gate, up) of the sums (+ bias [E, 2, n / 2] float32,
     pack_bias). Rows past offsets[E] are not written. out: the result's tensor, or None for a new one."""
@@ -728,9 +730,17 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
     tiles = _cdiv(n, w4_pack.TILE_ROWS) if kind == "rows" else _cdiv(n_out, w4_pack.TILE_ROWS // 2)
     bias_shape = (num_experts, n) if kind == "rows" else (num_experts, 2, n_out)
     out_dtype = out_dtype if kind == "rows" else torch.bfloat16
+    k_tiles = _cdiv(k, w4_pack.KT)
+    if isinstance(packed, torch.Tensor) and packed.dim() == 3:  # tiled at load time: whole experts of S chunks
+        s_chunks = packed.shape[1]
+        if s_chunks < tiles * k_tiles:
+            raise ValueError(f"packed: {s_chunks} chunks per expert; n = {n}, K = {k} need {tiles * k_tiles}")
+        packed_shape = (num_experts, s_chunks, w4_pack.WORDS)
+    else:
+        packed_shape = (num_experts, tiles, k_tiles, w4_pack.WORDS)
     _check_tensors(
         a=(a, (p, k), (torch.bfloat16,)),
-        packed=(packed, (num_experts, tiles, _cdiv(k, w4_pack.KT), w4_pack.WORDS), (torch.int32,)),
+        packed=(packed, packed_shape, (torch.int32,)),
         offsets=(offsets, (None,), _INDEX),
         bias=(bias, bias_shape, (torch.float32,)),
         out=(out, (p, n_out), (out_dtype,)),
@@ -744,7 +754,7 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
     fn = _w4a16(epi)
     _launch(
         fn, a.device, _ptr(packed), _ptr(a), _ptr(offsets), _ptr(out), _ptr(bias if bias is not None else offsets),
-        *_int32(num_experts, n_out, k, p, num_sms(a.device.index)),
+        *_int32(num_experts, n_out, k, p, num_sms(a.device.index), math.prod(packed.shape[1:-1])),
     )  # fmt: skip
     return out
 

@@ -154,14 +154,16 @@ class W4a16GroupedSm90:
     @cute.jit
     def __call__(self, w_ptr: cute.Pointer, a_ptr: cute.Pointer, off_ptr: cute.Pointer, c_ptr: cute.Pointer,
                  b_ptr: cute.Pointer, e_num: Int32, n_out: Int32, k: Int32, p: Int32, num_sms: Int32,
-                 stream: cuda.CUstream):  # fmt: skip
+                 expert_chunks: Int32, stream: cuda.CUstream):  # fmt: skip
         if const_expr(w_ptr.dtype.width != 8 or a_ptr.dtype != BF16):
             # A wider pointer would make the weights' TMA box (BOX x ROW_W elements) larger than the stage's
             # bytes the barrier waits for: a hang, not an error.
             raise TypeError(f"W4a16GroupedSm90: w_ptr must point to bytes (got {w_ptr.dtype}) and a_ptr BFloat16 (got {a_ptr.dtype})")
         n_tiles = (n_out + self.cols - 1) // self.cols
         k_tiles = (k + KT - 1) // KT
-        mW = cute.make_tensor(w_ptr, cute.make_layout((e_num * n_tiles * k_tiles * BOX, ROW_W), stride=(ROW_W, 1)))
+        # Expert e's chunks start at chunk e * expert_chunks (>= n_tiles * k_tiles: weights tiled at load time pad
+        # each expert to a whole number of [N, B] bytes, w4a16_pack.tiled_bytes).
+        mW = cute.make_tensor(w_ptr, cute.make_layout((e_num * expert_chunks * BOX, ROW_W), stride=(ROW_W, 1)))
         mA = cute.make_tensor(a_ptr, cute.make_layout((p, k), stride=(k, 1)))
         mOff = cute.make_tensor(off_ptr, cute.make_layout((e_num + 1,)))
         mC = cute.make_tensor(c_ptr, cute.make_layout((p, n_out), stride=(n_out, 1)))
@@ -189,7 +191,7 @@ class W4a16GroupedSm90:
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(sW_layout)], 1024]
 
         self.storage = Storage
-        self.kernel(tiled_mma, tma_w, gW, tma_a, gA, mOff, mC, mB, sA_layout, sW_layout, n_tiles, k_tiles).launch(
+        self.kernel(tiled_mma, tma_w, gW, tma_a, gA, mOff, mC, mB, sA_layout, sW_layout, n_tiles, k_tiles, expert_chunks).launch(
             grid=[num_sms, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream
         )
 
@@ -219,7 +221,7 @@ class W4a16GroupedSm90:
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_w: cute.CopyAtom, gW_full: cute.Tensor, tma_a: cute.CopyAtom,
                gA_full: cute.Tensor, mOff: cute.Tensor, mC: cute.Tensor, mB: cute.Tensor, sA_layout: cute.ComposedLayout,
-               sW_layout: cute.Layout, n_tiles: Int32, k_tiles: Int32):  # fmt: skip
+               sW_layout: cute.Layout, n_tiles: Int32, k_tiles: Int32, expert_chunks: Int32):  # fmt: skip
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid = cute.arch.grid_dim()[0]
@@ -276,7 +278,7 @@ class W4a16GroupedSm90:
                     for kt in range(k_tiles):
                         pipe.producer_acquire(state)
                         bar = pipe.producer_get_barrier(state)
-                        cute.copy(tma_w, tWg[(None, (e * n_tiles + tile) * k_tiles + kt, 0)], tWs[(None, state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_w, tWg[(None, e * expert_chunks + tile * k_tiles + kt, 0)], tWs[(None, state.index)], tma_bar_ptr=bar)
                         cute.copy(tma_a, tAg[(None, kt)], tAs[(None, state.index)], tma_bar_ptr=bar)
                         state.advance()
                     u += grid

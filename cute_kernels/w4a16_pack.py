@@ -22,6 +22,8 @@ Rows past the weights and K past K_pad (K rounded up to KT) are zero codes with 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 KT = 128  # K per k-tile
@@ -163,9 +165,55 @@ def pack_mxfp4_experts(codes: torch.Tensor, scales: torch.Tensor, *, kind: str, 
     return out
 
 
-def unpack_mxfp4_experts(packed: torch.Tensor, *, kind: str, gate_layout: str | None, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tiles_of(kind: str, n: int) -> int:
+    """Tiles per expert of an [N, K] weight packed as `kind`: cdiv(N, 128) ("rows") or cdiv(N / 2, 64) ("gate_up")."""
+    return _cdiv(n, TILE_ROWS) if kind == "rows" else _cdiv(n // 2, TILE_ROWS // 2)
+
+
+def tiled_chunks(kind: str, n: int, k: int) -> tuple[int, int]:
+    """(S, B): the chunks per expert and the bytes per weight row of weights tiled at load time, uint8 [E, N, B].
+
+    An expert's N * B bytes hold S >= tiles * k_tiles whole chunks, its own first: N stays the tensor's second
+    size (every shape check and fake impl reads the weights' rows there) and the kernel finds expert e at chunk
+    e * S. S is the least multiple of N / gcd(N, chunk bytes) that holds the chunks, so N * B = S * chunk bytes;
+    for N a multiple of 64 the padding is under 1 / k_tiles of the chunks (gpt-oss w2: 540 for 529)."""
+    need = tiles_of(kind, n) * _cdiv(k, KT)
+    step = n // math.gcd(n, 4 * WORDS)
+    s = _cdiv(need, step) * step
+    return s, s * 4 * WORDS // n
+
+
+def tile_mxfp4_experts(codes: torch.Tensor, scales: torch.Tensor, *, kind: str, gate_layout: str | None = None) -> torch.Tensor:
+    """mxfp4 experts -> uint8 [E, N, B] (tiled_chunks): pack_mxfp4_experts' chunks, each expert padded with zero
+    chunks to N * B bytes. The kernels read it as int32 [E, S, WORDS] (tiled_words)."""
+    e, n, k = check_experts(codes, scales, kind, gate_layout)
+    s, b = tiled_chunks(kind, n, k)
+    out = torch.zeros((e, s, WORDS), dtype=torch.int32, device=codes.device)
+    for x in range(e):  # one expert's int64 temporaries at a time
+        packed = pack_mxfp4_experts(codes[x : x + 1], scales[x : x + 1], kind=kind, gate_layout=gate_layout)
+        out[x, : packed.shape[1] * packed.shape[2]] = packed.flatten(1, 2)[0]
+    return out.view(torch.uint8).view(e, n, b)
+
+
+def tiled_words(tiled: torch.Tensor) -> torch.Tensor:
+    """uint8 [E, N, B] tiled weights -> the int32 [E, S, WORDS] view the kernels read (no copy)."""
+    e = tiled.shape[0]
+    return tiled.view(e, -1).view(torch.int32).view(e, -1, WORDS)
+
+
+def untile_mxfp4_experts(tiled: torch.Tensor, *, kind: str, gate_layout: str | None, k: int, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of tile_mxfp4_experts: uint8 [E, N, B] -> (codes uint8 [E, N, K/2], scales uint8 [E, N, K/32]).
+    Plain torch, any device; check: raise ValueError if a padding code or scale is not 0 (a host sync)."""
+    e, n = tiled.shape[0], tiled.shape[1]
+    t = tiles_of(kind, n)
+    k_tiles = _cdiv(k, KT)
+    words = tiled_words(tiled.contiguous())[:, : t * k_tiles].reshape(e, t, k_tiles, WORDS)
+    return unpack_mxfp4_experts(words, kind=kind, gate_layout=gate_layout, n=n, k=k, check=check)
+
+
+def unpack_mxfp4_experts(packed: torch.Tensor, *, kind: str, gate_layout: str | None, n: int, k: int, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of pack_mxfp4_experts: int32 [E, tiles, k_tiles, WORDS] -> (codes uint8 [E, N, K/2],
-    scales uint8 [E, N, K/32]), for tests and checks. Raises ValueError if a padding code or scale is not 0."""
+    scales uint8 [E, N, K/32]). check: raise ValueError if a padding code or scale is not 0 (a host sync)."""
     e = packed.shape[0]
     k_tiles = _cdiv(k, KT)
     device = packed.device
@@ -180,7 +228,7 @@ def unpack_mxfp4_experts(packed: torch.Tensor, *, kind: str, gate_layout: str | 
         nib[:, row, k0 + 16 * (i // 2) + 8 * (i % 2) + j] = c
     sbytes = (words[..., CODE_WORDS:, None] >> (8 * torch.arange(4, device=device))) & 0xFF
     sc[:, srow, scol] = sbytes
-    if bool((nib[:, n] != 0).any() or (nib[:, :, k:] != 0).any() or (sc[:, n] != 0).any() or (sc[:, :, k // GROUP :] != 0).any()):
+    if check and bool((nib[:, n] != 0).any() or (nib[:, :, k:] != 0).any() or (sc[:, n] != 0).any() or (sc[:, :, k // GROUP :] != 0).any()):
         raise ValueError("packed: a padding code or scale is not 0")
     nib = nib[:, :n, :k]
     codes = (nib[..., 0::2] | nib[..., 1::2] << 4).to(torch.uint8)

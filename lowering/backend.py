@@ -19,7 +19,8 @@ import torch
 
 from moe_ops import dequant_kernels, fp8_kernels, w4_kernels
 from moe_ops.eager_kernels import COLUMN_MAJOR_REMEDY, gate_layout
-from moe_ops.gemm import _W_PACKING
+from moe_ops.gemm import _A_PACKING
+from moe_ops.quant import tiled
 
 REQUIRE_KERNELS = {"value": os.environ.get("MOE_OPS_REQUIRE_KERNELS", "0") == "1"}
 
@@ -123,7 +124,9 @@ def _support(op: str, recipe: dict, interface) -> tuple[bool, str]:
     if _fp8(recipe):
         return True, fp8_kernels.reason(recipe["a_group"], recipe["w_group"]) + why
     if _w4(recipe):
-        return True, w4_kernels.REASON + why
+        return True, (w4_kernels.TILED_REASON if tiled.is_tiled(recipe["w_dtype"]) else w4_kernels.REASON) + why
+    if tiled.is_tiled(recipe["w_dtype"]):
+        return False, w4_kernels.TILED_ONLY
     too_big = dequant_kernels.why_not(which, recipe["num_experts"], n, k, dtype)
     if too_big is not None:
         return False, too_big
@@ -206,7 +209,7 @@ def down_reduce_recipe(args: dict) -> dict:
         dtype=args["a"].dtype, compute_dtype=compute, w_storage=w.dtype, out_dtype=args["out_dtype"],
         a_dtype=args["a_dtype"], a_group=tuple(args["a_group"]), w_dtype=args["w_dtype"], w_group=tuple(args["w_group"]),
         has_bias=args["bias"] is not None, w_row_major=w.stride(2) == 1, w_column_major=_column_major(w), hidden=w.shape[1],
-        intermediate=w.shape[2] * _W_PACKING[args["w_dtype"]],
+        intermediate=args["a"].shape[1] * _A_PACKING[args["a_dtype"]],  # GEMM2's K (a tiled w's shape holds none)
         num_experts=w.shape[0],
         quantized=args["a_dtype"] != "none" or args["w_dtype"] != "none",
         router_weight_dtype=args["topk_weights"].dtype,

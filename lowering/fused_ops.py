@@ -31,6 +31,7 @@ from moe_ops.activation import ACTIVATIONS, check_activation_recipe
 from moe_ops.activation import activation as activation_op
 from moe_ops.expert_norm import check_norm_args, post_expert_norm
 from moe_ops.gemm import check_gemm_args, grouped_gemm
+from moe_ops.quant import tiled
 from moe_ops.quant.formats import scale_shape
 from moe_ops.quant.quantize import _SCALE_DTYPE, ACTIVATION_STORAGE, check_quantize_recipe, quantize
 from moe_ops.reduce import check_reduce_rows, weighted_reduce
@@ -66,6 +67,7 @@ def check_gate_up_args(
         check_quantize_recipe(a_dtype, a_group, a_scale, a_global_scale, x.shape[1],
                               names=("a_dtype", "a_group", "a_scale", "a_global_scale"))  # fmt: skip
     gated = check_activation_recipe(activation, interleaved)
+    tiled.check_gemm1_format(w_dtype, gated, interleaved)
     n = w.shape[1]
     if gated and n % 2:
         raise ValueError(f"w: {activation!r} splits GEMM1's N={n} outputs into gate and up halves; N must be even, got shape {tuple(w.shape)}")
@@ -171,6 +173,7 @@ def check_down_reduce_args(
         a, a_scale, a_global_scale, a_dtype, a_group, w, w_scale, w_global_scale, w_zero, w_dtype, w_group,
         bias, expert_offsets, None, out_dtype,
     )  # fmt: skip
+    tiled.check_gemm2_format(w_dtype)
     check_reduce_rows(f"a {tuple(a.shape)}", a.shape[0], topk_weights, inverse, expert_offsets)
     _checks.expect_same_device({"a": a, "topk_weights": topk_weights, "inverse": inverse, "norm_weight": norm_weight})
     if norm_weight is not None:

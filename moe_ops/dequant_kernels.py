@@ -119,7 +119,7 @@ def gate_up(
         )  # fmt: skip
     if w4_kernels.serves(a_dtype, w_dtype, w_group, x.dtype, activation, out_quant_dtype):
         return w4_kernels.gate_up(
-            interface, x=x, w=w, w_scale=w_scale, bias=bias, expert_offsets=expert_offsets, gather_idx=gather_idx,
+            interface, x=x, w=w, w_scale=w_scale, w_dtype=w_dtype, bias=bias, expert_offsets=expert_offsets, gather_idx=gather_idx,
             activation=activation, alpha=alpha, limit=limit, gate_layout=gate_layout,
         ), x.new_empty((0,), dtype=torch.float32)  # fmt: skip
     dtype = x.dtype
@@ -158,7 +158,7 @@ def down_reduce(
         )  # fmt: skip
     if w4_kernels.serves(a_dtype, w_dtype, w_group, out_dtype):
         return w4_kernels.down_reduce(
-            interface, a=a, w=w, w_scale=w_scale, bias=bias, expert_offsets=expert_offsets, topk_weights=topk_weights,
+            interface, a=a, w=w, w_scale=w_scale, w_dtype=w_dtype, bias=bias, expert_offsets=expert_offsets, topk_weights=topk_weights,
             inverse=inverse, norm_weight=norm_weight, norm_eps=norm_eps,
         )  # fmt: skip
     rows = a.shape[0]

@@ -24,6 +24,7 @@ import torch
 from . import _checks, dequant_kernels, fp8_kernels, w4_kernels
 from .activation import ACTIVATIONS, Activation
 from .quant.config import QuantConfig
+from .quant import tiled
 from .quant.scheme import op_args
 
 # Where column-major experts usually come from (transformers' transposed experts: gpt-oss, Aria), and
@@ -98,7 +99,8 @@ def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_
     for name, t in (("w13", w13), ("w2", w2), ("w13_bias", w13_bias), ("w2_bias", w2_bias), ("post_expert_norm.weight", norm_weight)):
         if t is not None and not t.is_contiguous():
             return interface, f"{name}: strides {t.stride()} are not contiguous; the kernels take contiguous tensors"
-    intermediate = w2.shape[2] * (scheme.weight.packing if scheme.weight is not None else 1)
+    tiled_weights = scheme.weight is not None and scheme.weight.tiled is not None
+    intermediate = n13 // 2 if tiled_weights else w2.shape[2] * (scheme.weight.packing if scheme.weight is not None else 1)
     common = dict(
         dtype=x.dtype, weight_dtype=x.dtype if quantized else w13.dtype, hidden=hidden, intermediate=intermediate,
         num_experts=num_experts, weight_row_major=True,
@@ -111,8 +113,10 @@ def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_
     ):
         if not ok:
             return interface, why
-    (a_dtype, _), (w_dtype, w_group) = op_args(scheme.activation), op_args(scheme.weight)
-    w4 = w4_kernels.serves(a_dtype, w_dtype, w_group, x.dtype, act.kind) and w4_kernels.serves(a_dtype, w_dtype, w_group, x.dtype)
+    (a_dtype, _), (w13_dtype, w2_dtype, w_group) = op_args(scheme.activation), tiled.weight_op_args(scheme.weight)
+    w4 = w4_kernels.serves(a_dtype, w13_dtype, w_group, x.dtype, act.kind) and w4_kernels.serves(a_dtype, w2_dtype, w_group, x.dtype)
+    if tiled_weights and not w4:
+        return interface, w4_kernels.TILED_ONLY
     if quantized and not w4 and not fp8_kernels.serves(*op_args(scheme.activation), *op_args(scheme.weight), x.dtype):
         for which, n, k in (("w13", n13, hidden), ("w2", hidden, intermediate)):
             too_big = dequant_kernels.why_not(which, num_experts, n, k, x.dtype)
@@ -152,11 +156,11 @@ def _run_quantized(interface, x, w13, w2, topk_weights, act, w13_bias, w2_bias, 
     layer calls the same two functions, so the two agree bit for bit). expert_ids: the kernels' M = 1
     weight hint (local ids), or None."""
     scheme = config.scheme
-    (a_dtype, a_group), (w_dtype, w_group) = op_args(scheme.activation), op_args(scheme.weight)
+    (a_dtype, a_group), (w13_dtype, w2_dtype, w_group) = op_args(scheme.activation), tiled.weight_op_args(scheme.weight)
     t13, t2 = config.gemm("13"), config.gemm("2")
     q, q_scale = dequant_kernels.gate_up(
         interface, x=x, a_scale=t13["a_scale"], a_global_scale=t13["a_global_scale"], a_dtype=a_dtype, a_group=a_group,
-        w=w13, w_scale=t13["w_scale"], w_global_scale=t13["w_global_scale"], w_zero=t13["w_zero"], w_dtype=w_dtype,
+        w=w13, w_scale=t13["w_scale"], w_global_scale=t13["w_global_scale"], w_zero=t13["w_zero"], w_dtype=w13_dtype,
         w_group=w_group, bias=w13_bias, expert_offsets=offsets, gather_idx=gather_idx, activation=act.kind,
         alpha=float(act.alpha), limit=float(act.limit), interleaved=act.interleaved,
         gate_layout=gate_layout(act.kind, act.interleaved), out_quant_dtype=a_dtype, out_quant_group=a_group,
@@ -165,7 +169,7 @@ def _run_quantized(interface, x, w13, w2, topk_weights, act, w13_bias, w2_bias, 
     return dequant_kernels.down_reduce(
         interface, a=q, a_scale=q_scale if a_dtype != "none" else None, a_global_scale=t2["a_global_scale"],
         a_dtype=a_dtype, a_group=a_group, w=w2, w_scale=t2["w_scale"], w_global_scale=t2["w_global_scale"],
-        w_zero=t2["w_zero"], w_dtype=w_dtype, w_group=w_group, bias=w2_bias, expert_offsets=offsets,
+        w_zero=t2["w_zero"], w_dtype=w2_dtype, w_group=w_group, bias=w2_bias, expert_offsets=offsets,
         topk_weights=topk_weights, inverse=inverse, out_dtype=x.dtype,
         norm_weight=None if norm is None else norm.weight, norm_eps=1e-6 if norm is None else norm.eps,
     )  # fmt: skip

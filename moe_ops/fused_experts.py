@@ -17,6 +17,7 @@ from .backends import check_device_supports
 from .expert_norm import PostExpertNorm, post_expert_norm as post_expert_norm_op
 from .gemm import grouped_gemm
 from .plan import routing_plan
+from .quant import tiled
 from .quant.config import QuantConfig
 from .quant.quantize import quantize
 from .quant.scheme import UNQUANTIZED, ActivationQuant, op_args
@@ -77,8 +78,11 @@ def check_inputs(
     m, hidden = hidden_states.shape
     num_experts = w13.shape[0]
     wq = config.scheme.weight
-    packing = 1 if wq is None else wq.packing
-    intermediate = w2.shape[2] * packing
+    if wq is not None and wq.tiled is not None:
+        check_tiled_activation(act, wq.tiled)
+        intermediate = w13.shape[1] // 2  # a tiled w2's shape holds no K
+    else:
+        intermediate = w2.shape[2] * (1 if wq is None else wq.packing)
     n13 = 2 * intermediate if act.gated else intermediate
     if w2.shape[0] != num_experts:
         raise ValueError(f"w2: has {w2.shape[0]} experts, w13 has {num_experts}")
@@ -89,7 +93,8 @@ def check_inputs(
             f"w13: activation {act.kind!r} needs {n13} rows per expert ({'2I' if act.gated else 'I'} with I={intermediate} "
             f"from w2), got shape {tuple(w13.shape)}"
         )
-    if w13.shape[2] * packing != hidden:
+    packing = 1 if wq is None else wq.packing
+    if (wq is None or wq.tiled is None) and w13.shape[2] * packing != hidden:
         raise ValueError(f"w13: expected {hidden // packing} columns (H={hidden}), got shape {tuple(w13.shape)}")
     if wq is None:
         for name, w in (("w13", w13), ("w2", w2)):
@@ -123,6 +128,17 @@ def check_inputs(
     )
     check_device_supports(config.name, device)
     return LayerShape(num_experts, num_global, hidden, intermediate, n13, top_k)
+
+
+def check_tiled_activation(act: Activation, gates: str) -> None:
+    """A layer tiled with WeightQuant.tiled = gates runs a gated activation reading its rows that way."""
+    reads = "interleaved" if act.interleaved else "concat"
+    if not act.gated or reads != gates:
+        got = f"{act.kind!r}" + (f" with {reads} gates" if act.gated else ", which has no gate")
+        raise ValueError(
+            f"activation: the weights were tiled for a gated activation with {gates} gates "
+            f"(tile_mxfp4_weights' interleaved={gates == 'interleaved'}), got {got}"
+        )
 
 
 def _quantize_input(x: torch.Tensor, aq: ActivationQuant | None, t: dict):
@@ -199,21 +215,21 @@ def fused_experts(
     scheme = config.scheme
     out_dtype = hidden_states.dtype
     a_dtype, a_group = op_args(scheme.activation)
-    w_dtype, w_group = op_args(scheme.weight)
+    w13_dtype, w2_dtype, w_group = tiled.weight_op_args(scheme.weight)
     t13, t2 = config.gemm("13"), config.gemm("2")
 
     offsets, gather_idx, inverse = routing_plan(topk_ids, shape.num_experts, expert_map)
     a1, a1_scale = _quantize_input(hidden_states, scheme.activation, t13)
     h = grouped_gemm(
         a1, a1_scale, t13["a_global_scale"], a_dtype, a_group,
-        w13, t13["w_scale"], t13["w_global_scale"], t13["w_zero"], w_dtype, w_group,
+        w13, t13["w_scale"], t13["w_global_scale"], t13["w_zero"], w13_dtype, w_group,
         w13_bias, offsets, gather_idx, out_dtype,
     )  # fmt: skip
     h = activation_op(h, act.kind, float(act.alpha), float(act.limit), act.interleaved)
     a2, a2_scale = _quantize_input(h, scheme.activation, t2)
     y = grouped_gemm(
         a2, a2_scale, t2["a_global_scale"], a_dtype, a_group,
-        w2, t2["w_scale"], t2["w_global_scale"], t2["w_zero"], w_dtype, w_group,
+        w2, t2["w_scale"], t2["w_global_scale"], t2["w_zero"], w2_dtype, w_group,
         w2_bias, offsets, None, out_dtype,
     )  # fmt: skip
     if post_expert_norm is not None:

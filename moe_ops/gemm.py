@@ -20,6 +20,7 @@ import torch
 
 from . import _checks, forward_only
 from .quant import formats
+from .quant import tiled
 from .quant.quantize import ACTIVATION_STORAGE, dequantize_activation
 
 # (device type, dtype) pairs where torch._grouped_mm multiplies exactly in float32 accumulation.
@@ -33,6 +34,7 @@ _WHOLE_DEQUANT_BYTES = 8 << 30
 # a_dtype / w_dtype -> elements per stored element along K ("none": unquantized).
 _A_PACKING = {"none": 1, **{k: formats.PACKING[k] for k in ACTIVATION_STORAGE}}
 _W_PACKING = {"none": 1, **formats.PACKING}
+_W_FORMATS = (*_W_PACKING, *tiled.TILED_FORMATS)
 
 
 def row_experts(expert_offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -84,10 +86,18 @@ def segment_matmul(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tenso
     return torch.where(valid, out, 0.0)
 
 
-def _dequantizer(w, w_dtype, w_group, w_scale, w_global_scale, w_zero):
+def _dequantizer(w, w_dtype, w_group, w_scale, w_global_scale, w_zero, k: int | None = None):
     """idx [c] -> float32 [c, N, K]: experts idx of the quantized w, dequantized. Scales, global scales and
-    zero points with one entry per expert are gathered with them; one shared by all is used as it is."""
+    zero points with one entry per expert are gathered with them; one shared by all is used as it is. Tiled
+    mxfp4 (quant/tiled.py; k: the GEMM's K) is read back to codes and scales per call, for those experts only."""
     num_experts = w.shape[0]
+    if tiled.is_tiled(w_dtype):
+
+        def tiled_experts(idx):
+            codes, scales = tiled.untile(w[idx], w_dtype, k)
+            return formats.dequantize(codes, "mxfp4", tiled.GROUP, scales, None, None)
+
+        return tiled_experts
 
     def pick(t, idx):
         return t[idx] if t is not None and t.dim() and t.shape[0] == num_experts else t
@@ -119,15 +129,22 @@ def check_gemm_args(
     storage dtypes and scale shapes are not checked: the format strings say how to read them (a chain
     written by hand may read int8 codes as fp8, see tests/lowering). a_name: the caller's name for a."""
     _checks.expect_choice("a_dtype", a_dtype, _A_PACKING)
-    _checks.expect_choice("w_dtype", w_dtype, _W_PACKING)
+    _checks.expect_choice("w_dtype", w_dtype, _W_FORMATS)
     _checks.expect_ndim(a_name, a, 2, "[R, K] (or packed [R, K/2])")
-    _checks.expect_ndim("w", w, 3, "[E, N, K] (or packed [E, N, K/2])")
+    _checks.expect_ndim("w", w, 3, "[E, N, K] (or packed [E, N, K/2], or tiled [E, N, B])")
     for name, t, fmt in ((a_name, a, a_dtype), ("w", w, w_dtype)):
         if fmt == "none":
             _checks.expect_dtype(name, t, _checks.FLOAT_DTYPES)
-    for name, scale, fmt in (("a_scale", a_scale, a_dtype), ("w_scale", w_scale, w_dtype)):
+    w_tiled = tiled.is_tiled(w_dtype)
+    for name, scale, fmt in (("a_scale", a_scale, a_dtype), ("w_scale", w_scale, "none" if w_tiled else w_dtype)):
         if fmt != "none" and scale is None:
             raise ValueError(f"{name}: {fmt!r} values need their scales, got None")
+    if w_tiled:
+        if w_scale is not None:
+            raise ValueError(f"w_scale: {w_dtype!r} weights hold their scales, got one {tuple(w_scale.shape)}; pass None")
+        if tuple(w_group) != tiled.GROUP:
+            raise ValueError(f"w_group: {w_dtype!r} has mxfp4's groups {list(tiled.GROUP)}, got {list(w_group)}")
+        tiled.check_tiled("w", w, w_dtype, a.shape[1] * _A_PACKING[a_dtype])
     # nvfp4's values are off by exactly their global scale without it, and no other format has one:
     # either mistake would pass silently through the dequantization.
     for name, scale, fmt in (("a_global_scale", a_global_scale, a_dtype), ("w_global_scale", w_global_scale, w_dtype)):
@@ -140,7 +157,8 @@ def check_gemm_args(
         raise ValueError(f"a_global_scale: expected one value [1], got shape {tuple(a_global_scale.shape)}")
     if w_zero is not None and w_dtype != "int4":
         raise ValueError(f"w_zero: zero points are for int4 weights only, got one for w_dtype={w_dtype!r}")
-    k_a, k_w = a.shape[1] * _A_PACKING[a_dtype], w.shape[2] * _W_PACKING[w_dtype]
+    k_a = a.shape[1] * _A_PACKING[a_dtype]
+    k_w = k_a if w_tiled else w.shape[2] * _W_PACKING[w_dtype]  # a tiled w's K is the one check_tiled checked
     if k_a != k_w:
         raise ValueError(
             f"{a_name} and w: K differs, {a_name} {tuple(a.shape)} ({a_dtype}) holds K={k_a}, w {tuple(w.shape)} ({w_dtype}) K={k_w}"
@@ -205,7 +223,7 @@ def grouped_gemm(
             wf = w.float()
         out = segment_matmul(x if x.dtype == wf.dtype else x.float(), wf, expert_offsets)
     else:
-        experts = _dequantizer(w, w_dtype, w_group, w_scale, w_global_scale, w_zero)
+        experts = _dequantizer(w, w_dtype, w_group, w_scale, w_global_scale, w_zero, x.shape[1])
         native = (x.device.type, torch.float32) in _NATIVE_GROUPED_MM
         if x.shape[0] >= num_experts and (native or num_experts * w.shape[1] * x.shape[1] * 4 <= _WHOLE_DEQUANT_BYTES):
             out = segment_matmul(x.float(), _dequantize_whole(experts, w, x.shape[1]), expert_offsets)

@@ -5,9 +5,10 @@
 The kernels (cute_kernels.interface.w4a16_grouped_gemm) decode each mxfp4 word into WGMMA fragment registers, so
 a weight is read as its 4.25 bits and never written back in bf16, where decoding (dequant_kernels.py) read it,
 wrote it in bf16 and read that again (36 bits moved per weight against 4.25). They read the weights in their own
-layout (cute_kernels/w4a16_pack.py); until weights are prepared in it at load time, each call re-lays the experts
-in use (w4_pack_kernel.py, one Triton launch per GEMM: the 4.25 bits read, 4.25 written), as the decoding path
-decodes them: ~12.75 bits moved per weight. GEMM1's rows are gathered by torch (x[gather]) and GEMM2's rows
+layout (cute_kernels/w4a16_pack.py): weights tiled at load time (quant/tiled.py, tile_mxfp4_weights) are read as
+they are; for codes and scales as stored, each call re-lays the experts in use (w4_pack_kernel.py, one Triton
+launch per GEMM: the 4.25 bits read, 4.25 written), as the decoding path decodes them: ~12.75 bits moved per
+weight. GEMM1's rows are gathered by torch (x[gather]) and GEMM2's rows
 summed per token by the bf16 layer's token sum kernel. Same numerics as the decoding path: exact decoded
 weights, float32 sums, h rounded to bf16.
 """
@@ -19,8 +20,14 @@ from cute_kernels import w4a16_pack as wp
 
 from .activation import ACTIVATIONS as _ACTIVATION_TABLE
 from .expert_slots import expert_slots
+from .quant import tiled
 
 REASON = "mxfp4 weights re-laid per call for the experts in use and decoded in registers by the w4a16 kernels; "
+TILED_REASON = "mxfp4 weights tiled at load time, decoded in registers by the w4a16 kernels; "
+TILED_ONLY = (
+    "tiled mxfp4 weights run on the w4a16 kernels only: bf16 activations, and GEMM1 with a gated activation and an "
+    "unquantized output (untiled mxfp4 weights serve the other layers)"
+)
 # The gated activations, which the w4a16 kernel's epilogue computes (cute_kernels.moe_gemm.GATED; relu2 has no gate).
 ACTIVATIONS = tuple(kind for kind, (gated, _) in _ACTIVATION_TABLE.items() if gated)
 
@@ -29,34 +36,45 @@ def serves(a_dtype: str, w_dtype: str, w_group, dtype: torch.dtype, activation: 
     """Whether a GEMM of these formats, outputs in dtype, runs here: mxfp4 weights (1x32 e8m0 groups), unquantized
     bf16 activations; GEMM1 (activation given) with a gated activation and an unquantized output."""
     gemm1_ok = activation is None or (activation in ACTIVATIONS and out_quant_dtype == "none")
-    return a_dtype == "none" and w_dtype == "mxfp4" and tuple(w_group) == (1, wp.GROUP) and dtype == torch.bfloat16 and gemm1_ok
+    mxfp4 = w_dtype == "mxfp4" or tiled.is_tiled(w_dtype)
+    return a_dtype == "none" and mxfp4 and tuple(w_group) == (1, wp.GROUP) and dtype == torch.bfloat16 and gemm1_ok
 
 
 def _slots(expert_offsets: torch.Tensor, num_experts: int, rows: int):
     return expert_slots(expert_offsets, num_experts, min(rows, num_experts))
 
 
-def gate_up(interface, *, x, w, w_scale, bias, expert_offsets, gather_idx, activation, alpha, limit, gate_layout):
+def gate_up(interface, *, x, w, w_scale, w_dtype, bias, expert_offsets, gather_idx, activation, alpha, limit, gate_layout):
     """moe_ops::gate_up for a scheme `serves` accepts: [P, I] bf16 = act(x[gather] @ W13[e].T + bias[e]); x [M, H]
-    bf16, w uint8 [E, 2I, H/2], w_scale uint8 [E, 2I, H/32]. Rows of dropped pairs (past offsets[E]) unwritten."""
-    from .w4_pack_kernel import pack_slots  # Triton: imported where it runs
+    bf16, w uint8 [E, 2I, H/2] with w_scale uint8 [E, 2I, H/32], or tiled (w_dtype a tiled gate_up format whose
+    gates match gate_layout, w_scale None). Rows of dropped pairs (past offsets[E]) unwritten."""
+    if tiled.is_tiled(w_dtype):
+        packed, offsets = wp.tiled_words(w), expert_offsets
+        b = None if bias is None else wp.pack_bias(bias, kind="gate_up", gate_layout=gate_layout)
+    else:
+        from .w4_pack_kernel import pack_slots  # Triton: imported where it runs
 
-    idx, offsets = _slots(expert_offsets, w.shape[0], gather_idx.shape[0])
-    packed = pack_slots(w, w_scale, idx, offsets, kind="gate_up", gate_layout=gate_layout)
-    b = None if bias is None else wp.pack_bias(bias.index_select(0, idx), kind="gate_up", gate_layout=gate_layout)
+        idx, offsets = _slots(expert_offsets, w.shape[0], gather_idx.shape[0])
+        packed = pack_slots(w, w_scale, idx, offsets, kind="gate_up", gate_layout=gate_layout)
+        b = None if bias is None else wp.pack_bias(bias.index_select(0, idx), kind="gate_up", gate_layout=gate_layout)
     return interface.w4a16_grouped_gemm(
         x.index_select(0, gather_idx), packed, offsets, n=w.shape[1], activation=activation, alpha=alpha, limit=limit, bias=b,
     )  # fmt: skip
 
 
-def down_reduce(interface, *, a, w, w_scale, bias, expert_offsets, topk_weights, inverse, norm_weight, norm_eps):
+def down_reduce(interface, *, a, w, w_scale, w_dtype, bias, expert_offsets, topk_weights, inverse, norm_weight, norm_eps):
     """moe_ops::down_reduce for a scheme `serves` accepts: [M, H] bf16, the router-weighted sum over each token's
-    pairs of a[row] @ W2[e].T + bias[e] (each normalized first with norm_weight); a [P, I] bf16."""
-    from .w4_pack_kernel import pack_slots  # Triton: imported where it runs
+    pairs of a[row] @ W2[e].T + bias[e] (each normalized first with norm_weight); a [P, I] bf16; w as in gate_up
+    (tiled: mxfp4_tiled_rows)."""
+    if tiled.is_tiled(w_dtype):
+        packed, offsets = wp.tiled_words(w), expert_offsets
+        b = None if bias is None else bias.float()
+    else:
+        from .w4_pack_kernel import pack_slots  # Triton: imported where it runs
 
-    idx, offsets = _slots(expert_offsets, w.shape[0], a.shape[0])
-    packed = pack_slots(w, w_scale, idx, offsets, kind="rows")
-    b = None if bias is None else bias.index_select(0, idx).float()
+        idx, offsets = _slots(expert_offsets, w.shape[0], a.shape[0])
+        packed = pack_slots(w, w_scale, idx, offsets, kind="rows")
+        b = None if bias is None else bias.index_select(0, idx).float()
     return interface.w4a16_down_reduce(
         a.contiguous(), packed, b, offsets, topk_weights, inverse, n=w.shape[1], norm_weight=norm_weight, norm_eps=norm_eps,
     )  # fmt: skip

@@ -11,12 +11,14 @@ from .config import (
     int8_w8a16,
     mxfp4_w4a8,
     mxfp4_w4a16,
+    mxfp4_w4a16_tiled,
     needs_calibration,
     nvfp4_w4a4,
     nvfp4_w4a16,
     quantize_weight,
     quantize_weights,
     static_activation_scales,
+    tile_mxfp4_weights,
     unquantized,
 )
 from .scheme import (

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .. import _checks
-from . import formats
+from . import formats, tiled
 from .scheme import (
     PER_CHANNEL,
     PER_TENSOR,
@@ -29,7 +29,7 @@ def _required_fields(scheme: QuantScheme) -> set[str]:
     """The tensor fields a scheme needs; every other tensor field (biases aside) must be None."""
     need: set[str] = set()
     w, a = scheme.weight, scheme.activation
-    if w is not None:
+    if w is not None and w.tiled is None:  # tiled weights hold their scales
         need |= {"w13_scale", "w2_scale"}
         if w.dtype == "nvfp4":
             need |= {"w13_global_scale", "w2_global_scale"}
@@ -127,6 +127,11 @@ class QuantConfig:
 def _check_weight(name, wq: WeightQuant | None, w, t, num_experts, n, k):
     if wq is None:
         _checks.expect_dtype(name, w, _checks.FLOAT_DTYPES)
+        return
+    if wq.tiled is not None:
+        # The tiled size does not depend on the tile kind (both hold N rows in whole 128-row tiles).
+        tiled.check_tiled(name, w, "mxfp4_tiled_rows", k)
+        _checks.expect_shape(name, w, (num_experts, n, w.shape[2]), f"[E, N, B] tiled {wq.dtype}")
         return
     _checks.expect_dtype(name, w, (wq.storage,))
     packed_k = formats.cdiv(k, wq.packing)
@@ -252,6 +257,45 @@ def mxfp4_w4a16(w13_scale, w2_scale, w13_bias=None, w2_bias=None):
     return QuantConfig(
         QuantScheme(None, WeightQuant("mxfp4", GroupShape(1, 32))), w13_scale, w2_scale, w13_bias=w13_bias, w2_bias=w2_bias
     )
+
+
+def mxfp4_w4a16_tiled(gates: str = "concat", w13_bias=None, w2_bias=None):
+    """mxfp4 weights tiled for the w4a16 kernels (tiled.py): uint8 [E, N, B] holding codes and scales, GEMM1's
+    gate and up rows paired as `gates` ("concat" or "interleaved") says; 16-bit activations. Build the weights
+    and this config from an mxfp4_w4a16 layer's with tile_mxfp4_weights."""
+    if gates not in ("concat", "interleaved"):
+        raise ValueError(f"gates: got {gates!r}; allowed: 'concat', 'interleaved'")
+    scheme = QuantScheme(None, WeightQuant("mxfp4", GroupShape(1, 32), tiled=gates))
+    return QuantConfig(scheme, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
+def tile_mxfp4_weights(w13: torch.Tensor, w2: torch.Tensor, config: QuantConfig, *, interleaved: bool = False):
+    """An mxfp4_w4a16 layer's weights (codes w13 [E, 2I, H/2], w2 [E, H, I/2], scales in config) -> (w13, w2,
+    config) tiled for the w4a16 kernels: uint8 [E, 2I, B13] and [E, H, B2] (tiled.py), the biases kept.
+    interleaved: whether the layer's gated activation reads GEMM1's rows as (gate, up) pairs (gpt-oss) rather than
+    [gate; up] halves; the tiles pair gate and up rows by it, so the layer must keep that activation. Done once, at
+    load time: afterwards calls read the weights as they are, where untiled ones are re-laid on every call (on
+    the kernels) or decoded (the reference, from the tiles: the same values)."""
+    if not isinstance(config, QuantConfig):
+        raise TypeError(f"config: expected a moe_ops.QuantConfig, got {type(config).__name__}")
+    if config.name != "mxfp4_w4a16" or config.scheme.weight.tiled is not None:
+        raise ValueError(f"config: tiling takes an untiled mxfp4_w4a16 layer, got {config.scheme.describe()}")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved: expected a bool, got {interleaved!r}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        _checks.expect_tensor(name, w)
+        _checks.expect_ndim(name, w, 3, "[E, N, K/2] mxfp4 codes")
+    hidden, intermediate = w2.shape[1], 2 * w2.shape[2]
+    if w13.shape[1] != 2 * intermediate:
+        raise ValueError(
+            f"w13: tiling pairs gate and up rows of a gated activation: want [E, 2I={2 * intermediate}, H/2] for w2 "
+            f"{tuple(w2.shape)}, got {tuple(w13.shape)}"
+        )
+    config.check_weights(w13, w2, hidden, intermediate, 2 * intermediate)
+    f13, f2 = tiled.gemm_formats("interleaved" if interleaved else "concat")
+    t13 = tiled.tile(w13, config.w13_scale, f13)
+    t2 = tiled.tile(w2, config.w2_scale, f2)
+    return t13, t2, mxfp4_w4a16_tiled("interleaved" if interleaved else "concat", config.w13_bias, config.w2_bias)
 
 
 def mxfp4_w4a8(w13_scale, w2_scale, a13_scale=None, a2_scale=None, per_token=False, w13_bias=None, w2_bias=None):

@@ -67,6 +67,10 @@ WEIGHT_FORMATS = {
 }
 
 
+# WeightQuant.tiled: untiled, or tiled with GEMM1's gate and up rows as a gated activation reads them.
+TILED_GATES = (None, "concat", "interleaved")
+
+
 def _check_flag(what: str, value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{what}: expected a bool, got {value!r} ({type(value).__name__})")
@@ -113,17 +117,25 @@ class ActivationQuant:
 
 @dataclass(frozen=True)
 class WeightQuant:
-    """How w13 and w2 are stored. zero_point: int4 with per-group zero points (asymmetric)."""
+    """How w13 and w2 are stored. zero_point: int4 with per-group zero points (asymmetric). tiled: None for
+    codes and scales as stored; "concat" or "interleaved" for mxfp4 weights in the w4a16 kernels' layout, scales
+    inside, uint8 [E, N, B] (tiled.py, tile_mxfp4_weights), GEMM1's tiles pairing the gate and up rows of a
+    gated activation that reads them as [gate; up] halves or interleaved pairs."""
 
     dtype: str
     group: GroupShape
     zero_point: bool = False
+    tiled: str | None = None
 
     def __post_init__(self):
         _check_format("WeightQuant", WEIGHT_FORMATS, self.dtype, self.group)
         _check_flag("WeightQuant.zero_point", self.zero_point)
+        if self.tiled not in TILED_GATES:
+            raise ValueError(f"WeightQuant.tiled: got {self.tiled!r}; allowed: {', '.join(map(repr, TILED_GATES))}")
         if self.zero_point and self.dtype != "int4":
             raise ValueError(f"WeightQuant.zero_point: only int4 has zero points, got dtype {self.dtype!r}")
+        if self.tiled is not None and self.dtype != "mxfp4":
+            raise ValueError(f"WeightQuant.tiled: only mxfp4 weights are tiled (for the w4a16 kernels), got dtype {self.dtype!r}")
 
     @property
     def storage(self) -> torch.dtype:
@@ -183,6 +195,8 @@ class QuantScheme:
             raise TypeError(f"QuantScheme.weight: expected WeightQuant or None, got {type(self.weight).__name__}")
         self.name  # validates the combination
         a, w = self.activation, self.weight
+        if w is not None and w.tiled is not None and a is not None:
+            raise ValueError(f"QuantScheme: tiled mxfp4 weights are for 16-bit activations (mxfp4_w4a16), got activations {a.dtype} {a.group}")
         if self.name == "fp8_w8a8_block" and (a.group.cols != w.group.cols):
             raise ValueError(
                 f"QuantScheme: block scaling needs activation groups 1x{w.group.cols} for weight blocks "
@@ -208,7 +222,7 @@ class QuantScheme:
         )
         w = "unquantized" if self.weight is None else f"{self.weight.dtype} {self.weight.group}" + (
             " zero-point" if self.weight.zero_point else ""
-        )
+        ) + (f" tiled ({self.weight.tiled} gates)" if self.weight.tiled else "")
         return f"{self.name} (activations {a}; weights {w})"
 
 
