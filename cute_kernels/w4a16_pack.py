@@ -22,8 +22,6 @@ Rows past the weights and K past K_pad (K rounded up to KT) are zero codes with 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 KT = 128  # K per k-tile
@@ -178,7 +176,10 @@ def tiled_chunks(kind: str, n: int, k: int) -> tuple[int, int]:
     e * S. S is the least multiple of N / gcd(N, chunk bytes) that holds the chunks, so N * B = S * chunk bytes;
     for N a multiple of 64 the padding is under 1 / k_tiles of the chunks (gpt-oss w2: 540 for 529)."""
     need = tiles_of(kind, n) * _cdiv(k, KT)
-    step = n // math.gcd(n, 4 * WORDS)
+    g, r = n, 4 * WORDS
+    while r:  # gcd(n, chunk bytes) by hand: shape checks call this under torch.compile, whose Dynamo has no math.gcd
+        g, r = r, g % r
+    step = n // g
     s = _cdiv(need, step) * step
     return s, s * 4 * WORDS // n
 

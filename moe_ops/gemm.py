@@ -93,11 +93,7 @@ def _dequantizer(w, w_dtype, w_group, w_scale, w_global_scale, w_zero, k: int | 
     num_experts = w.shape[0]
     if tiled.is_tiled(w_dtype):
 
-        def tiled_experts(idx):
-            codes, scales = tiled.untile(w[idx], w_dtype, k)
-            return formats.dequantize(codes, "mxfp4", tiled.GROUP, scales, None, None)
-
-        return tiled_experts
+        return lambda idx: tiled.dequantize(w[idx], w_dtype, k)
 
     def pick(t, idx):
         return t[idx] if t is not None and t.dim() and t.shape[0] == num_experts else t

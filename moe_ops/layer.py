@@ -16,7 +16,15 @@ from torch import nn
 from . import _checks
 from .activation import Activation, resolve_activation
 from .fused_experts import expert_intermediates, fused_experts
-from .quant.config import QuantConfig, dequantize_weight, needs_calibration, quantize_weight, static_activation_scales
+from .quant import tiled
+from .quant.config import (
+    QuantConfig,
+    dequantize_weight,
+    needs_calibration,
+    quantize_weight,
+    static_activation_scales,
+    tile_mxfp4_weights,
+)
 from .quant.scheme import UNQUANTIZED, QuantScheme
 from .routing import route
 
@@ -118,6 +126,8 @@ class FusedMoE(nn.Module):
         scales from calibration (sample hidden states) through the router. Nothing is written unless
         everything succeeds."""
         wq = self.scheme.weight
+        if wq is not None and wq.tiled is not None:
+            raise ValueError("weights: this layer's expert weights are tiled (tile_weights()); load expert weights before tiling")
         new = {which: w if wq is None else quantize_weight(w, wq, which) for which, w in (("w13", w13), ("w2", w2)) if w is not None}
         scales = {}
         if needs_calibration(self.scheme):
@@ -418,10 +428,25 @@ class FusedMoE(nn.Module):
         per_e = [[f[e][1] for f in found] for e in range(self.num_experts)]
         return torch.stack([torch.stack(ts, dim=1).reshape(shape[1:]) if interleave else torch.cat(ts) for ts in per_e])
 
+    @torch.no_grad()
+    def tile_weights(self) -> None:
+        """Re-lay this mxfp4_w4a16 layer's weights, once, in the w4a16 kernels' layout (quant.tile_mxfp4_weights):
+        uint8 tiles [E, N, B] replace the codes and their scales, and each call reads them as they are instead of
+        re-laying the experts it routes to (bench/NOTES.md v56). The activation must be gated; load weights
+        before (a tiled layer takes none). Values and outputs are unchanged."""
+        t13, t2, config = tile_mxfp4_weights(self.w13, self.w2, self._quant_config, interleaved=self.activation.interleaved)
+        self.scheme = config.scheme
+        for name, t in (("w13", t13), ("w2", t2), ("w13_scale", None), ("w2_scale", None)):
+            self.register_buffer(name, t)
+        self._refresh_quant_config()
+
     def float_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The expert weights in float32 (dequantized for a quantized scheme): w13 [E, n13, H], w2 [E, H, I]."""
         c = self.quant_config()
         wq = self.scheme.weight
+        if wq is not None and wq.tiled is not None:
+            f13, f2 = tiled.gemm_formats(wq.tiled)
+            return tiled.dequantize(self.w13, f13, self.hidden_size), tiled.dequantize(self.w2, f2, self.intermediate_size)
         return (
             dequantize_weight(self.w13, wq, c.w13_scale, c.w13_global_scale, c.w13_zero),
             dequantize_weight(self.w2, wq, c.w2_scale, c.w2_global_scale, c.w2_zero),
@@ -431,4 +456,5 @@ class FusedMoE(nn.Module):
         return (
             f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
             f"intermediate={self.intermediate_size}, activation={self.activation.kind}, scheme={self.scheme.name}"
+            + (" (tiled)" if self.scheme.weight is not None and self.scheme.weight.tiled is not None else "")
         )

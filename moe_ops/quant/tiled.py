@@ -6,7 +6,10 @@ re-lays the experts it routes to (w4_kernels.py): at gpt-oss's shapes that packi
 experts' memory), and a call reads them as they are.
 
 A tiled weight is uint8 [E, N, B] (w4a16_pack.tiled_chunks): N stays the weight's rows, so shapes and fake impls
-read N where they did; K is the activations' width (B holds whole 128-K chunks, padded). Its op format string
+read N where they did; K is the activations' width (B holds whole 128-K chunks, padded), checked against the
+tiles to the k-tile of 128, the finest size they record (FusedMoE checks the activations' width itself; a
+hand-written call passing activations narrower than the weights' K within its last k-tile would read the
+columns past it). Its op format string
 names the tile kind, which the reference needs to read it back: GEMM1 of a gated activation pairs gate and up
 rows per tile, as its gate layout says; GEMM2 has plain row tiles.
 """
@@ -17,6 +20,7 @@ import torch
 from cute_kernels import w4a16_pack as wp
 
 from .. import _checks
+from . import formats
 
 # op format (w_dtype) -> (tile kind, gate layout)
 TILED_FORMATS = {
@@ -91,3 +95,9 @@ def tile(codes: torch.Tensor, scales: torch.Tensor, w_dtype: str) -> torch.Tenso
     """mxfp4 codes [E, N, K/2] and scales [E, N, K/32] -> uint8 [E, N, B] tiled as w_dtype says."""
     kind, gate_layout = TILED_FORMATS[w_dtype]
     return wp.tile_mxfp4_experts(codes, scales, kind=kind, gate_layout=gate_layout)
+
+
+def dequantize(w: torch.Tensor, w_dtype: str, k: int) -> torch.Tensor:
+    """Tiled w [E, N, B] -> float32 [E, N, K]: the mxfp4 values it holds."""
+    codes, scales = untile(w, w_dtype, k)
+    return formats.dequantize(codes, "mxfp4", GROUP, scales, None, None)
