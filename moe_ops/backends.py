@@ -40,8 +40,8 @@ CUTE_FP8 = "the fp8 codes multiplied by fp8 WGMMA, scaled in the epilogue (per-t
 # The schemes the fp8 kernels serve (fp8_kernels.serves), in bf16.
 CUTE_FP8_SCHEMES = ("fp8_w8a8_per_tensor", "fp8_w8a8_per_token", "fp8_w8a8_block")
 CUTE_W4 = (
-    "the mxfp4 codes decoded in registers by the w4a16 kernels, re-laid per call for the experts in use "
-    "(gated activations; relu2 layers decoded per call)"
+    "the mxfp4 codes decoded in registers by the w4a16 kernels, read as tiled at load time (tile_weights) or "
+    "re-laid per call for the experts in use (gated activations; relu2 layers decoded per call)"
 )
 # The schemes the w4a16 kernels serve (w4_kernels.serves), in bf16.
 CUTE_W4_SCHEMES = ("mxfp4_w4a16",)

@@ -258,6 +258,39 @@ def test_mxfp4_w4a16_runs_on_the_w4a16_kernels(op, monkeypatch):
     assert backend._choose(op, getattr(backend, f"{op}_recipe")(half), torch.device("cuda")).backend == "cute+dequant"
 
 
+def _tiled_args(op: str, dtype=torch.bfloat16) -> dict:
+    """The op's meta arguments with mxfp4 weights tiled at load time (uint8 [E, N, B], no scale tensor)."""
+    from cute_kernels import w4a16_pack as wp
+
+    args = _mxfp4_args(op)
+    w = args["w"]
+    kind, w_dtype = ("gate_up", "mxfp4_tiled_gate_up") if op == "gate_up" else ("rows", "mxfp4_tiled_rows")
+    b = wp.tiled_chunks(kind, w.shape[1], 2 * w.shape[2])[1]
+    args.update(w=torch.empty(*w.shape[:2], b, dtype=torch.uint8, device="meta"), w_dtype=w_dtype, w_scale=None)
+    act = "x" if op == "gate_up" else "a"
+    args.update({act: torch.empty(args[act].shape, dtype=dtype, device="meta"), "out_dtype": dtype})
+    args.update(bias=torch.empty(args["bias"].shape, dtype=dtype, device="meta"))
+    if op == "down_reduce":
+        args.update(norm_weight=torch.empty(args["norm_weight"].shape, dtype=dtype, device="meta"))
+    return args
+
+
+@pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
+def test_tiled_mxfp4_runs_on_the_w4a16_kernels_only(op, monkeypatch):
+    """Tiled mxfp4 weights take the w4a16 kernels with their own reason; where those do not serve (fp16), the
+    recipe is refused with the reason, never decoded (the decoding path reads codes), so the reference runs it."""
+    from cute_kernels import interface
+    from lowering import backend
+    from moe_ops import w4_kernels
+
+    ok, why = _support(op, _tiled_args(op))
+    assert ok and why.startswith(w4_kernels.TILED_REASON), why
+    monkeypatch.setattr(interface, "device_support", lambda device: (True, "sm_90"))
+    choice = backend._choose(op, getattr(backend, f"{op}_recipe")(_tiled_args(op)), torch.device("cuda"))
+    assert (choice.backend, choice.kernel) == ("cute+w4", backend._KERNELS[op, True])
+    assert _support(op, _tiled_args(op, torch.float16)) == (False, w4_kernels.TILED_ONLY)
+
+
 @pytest.mark.parametrize("op", ["gate_up", "down_reduce"])
 def test_weight_only_quantization_runs_on_decoded_weights(op, monkeypatch):
     """A weight-only quantized recipe (int4 weights, bf16 activations: w4a16) is served by the kernels on
