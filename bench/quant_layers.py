@@ -21,8 +21,10 @@ from moe_ops.quant import ActivationQuant, GroupShape, QuantScheme, WeightQuant
 CASES = {
     "qwen3-fp8-block": ((128, 8, 2048, 768), QuantScheme(ActivationQuant("fp8", GroupShape(1, 128)), WeightQuant("fp8", GroupShape(128, 128)))),
     "gpt-oss-mxfp4": ((128, 4, 2880, 2880), QuantScheme(None, WeightQuant("mxfp4", GroupShape(1, 32)))),
-    # The same layer after FusedMoE.tile_weights(): the w4a16 kernels read its weights as they are.
+    # The same layer after FusedMoE.tile_weights(): the w4a16 kernels read its weights as they are; "-bias":
+    # with gpt-oss's expert biases (the other cases have none).
     "gpt-oss-mxfp4-tiled": ((128, 4, 2880, 2880), QuantScheme(None, WeightQuant("mxfp4", GroupShape(1, 32)))),
+    "gpt-oss-mxfp4-tiled-bias": ((128, 4, 2880, 2880), QuantScheme(None, WeightQuant("mxfp4", GroupShape(1, 32)))),
     "qwen3-fp8-per-tensor": ((128, 8, 2048, 768), QuantScheme(ActivationQuant("fp8", GroupShape(-1, -1)), WeightQuant("fp8", GroupShape(-1, -1)))),
     "qwen3-fp8-per-tensor-static": ((128, 8, 2048, 768), QuantScheme(ActivationQuant("fp8", GroupShape(-1, -1), static=True), WeightQuant("fp8", GroupShape(-1, -1)))),
     "qwen3-fp8-per-token": ((128, 8, 2048, 768), QuantScheme(ActivationQuant("fp8", GroupShape(1, -1)), WeightQuant("fp8", GroupShape(1, -1)))),
@@ -32,6 +34,7 @@ CASES = {
     "qwen3-bf16": ((128, 8, 2048, 768), None),
     "mixtral-bf16": ((8, 2, 4096, 14336), None),
     "gpt-oss-bf16": ((128, 4, 2880, 2880), None),
+    "gpt-oss-bf16-bias": ((128, 4, 2880, 2880), None),
 }  # fmt: skip
 
 
@@ -63,8 +66,10 @@ def main() -> None:
     with torch.inference_mode(), moe_ops.value_checks(False):
         for name in args.cases or list(CASES):
             (experts, k, hidden, inter), scheme = CASES[name]
-            layer = moe_ops.FusedMoE(experts, k, hidden, inter, dtype=torch.bfloat16, device="cuda", quant_config=scheme)
-            if name.endswith("-tiled"):
+            layer = moe_ops.FusedMoE(
+                experts, k, hidden, inter, dtype=torch.bfloat16, device="cuda", quant_config=scheme, expert_bias=name.endswith("-bias"),
+            )  # fmt: skip
+            if "-tiled" in name:
                 layer.tile_weights()
             for m in args.tokens:
                 x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)

@@ -242,11 +242,11 @@ def pack_bias(bias: torch.Tensor, *, kind: str, gate_layout: str | None = None) 
         raise TypeError(f"bias: want a floating [E, N] tensor, got {getattr(bias, 'dtype', type(bias))} {tuple(getattr(bias, 'shape', ()))}")
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}; allowed: {KINDS}")
-    b = bias.float()
     if kind == "rows":
-        return b.contiguous()
+        return bias.float().contiguous()
     if gate_layout not in GATE_LAYOUTS:
         raise ValueError(f"gate_layout={gate_layout!r} with kind 'gate_up'; allowed: {GATE_LAYOUTS}")
-    inter = b.shape[1] // 2
-    gate, up = (b[:, :inter], b[:, inter:]) if gate_layout == "concat" else (b[:, 0::2], b[:, 1::2])
-    return torch.stack((gate, up), 1).contiguous()
+    e, inter = bias.shape[0], bias.shape[1] // 2
+    pairs = bias.reshape(e, 2, inter) if gate_layout == "concat" else bias.reshape(e, inter, 2).transpose(1, 2)
+    # One copy kernel (the cast included): a layer calls this on every call, where launches are the time at M = 1.
+    return torch.empty((e, 2, inter), dtype=torch.float32, device=bias.device).copy_(pairs)

@@ -91,10 +91,29 @@ def untile(w: torch.Tensor, w_dtype: str, k: int) -> tuple[torch.Tensor, torch.T
     return wp.untile_mxfp4_experts(w, kind=kind, gate_layout=gate_layout, k=k, check=False)
 
 
+# Experts per packing launch when tiling on CUDA: bounds the packed temporary (gpt-oss-120b's w13: 144 MB).
+_TILE_STEP = 16
+
+
 def tile(codes: torch.Tensor, scales: torch.Tensor, w_dtype: str) -> torch.Tensor:
-    """mxfp4 codes [E, N, K/2] and scales [E, N, K/32] -> uint8 [E, N, B] tiled as w_dtype says."""
+    """mxfp4 codes [E, N, K/2] and scales [E, N, K/32] -> uint8 [E, N, B] tiled as w_dtype says. On CUDA by the
+    per-call path's Triton packer (w4_pack_kernel.py, bit for bit w4a16_pack's; ~1 ms per gpt-oss GEMM's 128
+    experts on an H200); elsewhere by w4a16_pack's torch packer, which takes about a second per gpt-oss expert
+    on a CPU core: tile on the GPU."""
     kind, gate_layout = TILED_FORMATS[w_dtype]
-    return wp.tile_mxfp4_experts(codes, scales, kind=kind, gate_layout=gate_layout)
+    if codes.device.type != "cuda":
+        return wp.tile_mxfp4_experts(codes, scales, kind=kind, gate_layout=gate_layout)
+    from ..w4_pack_kernel import pack_slots  # Triton: imported where it runs
+
+    e, n, k = wp.check_experts(codes, scales, kind, gate_layout)
+    s, b = wp.tiled_chunks(kind, n, k)
+    out = torch.zeros((e, s, wp.WORDS), dtype=torch.int32, device=codes.device)
+    for start in range(0, e, _TILE_STEP):
+        idx = torch.arange(start, min(e, start + _TILE_STEP), dtype=torch.int32, device=codes.device)
+        rows = torch.arange(idx.shape[0] + 1, dtype=torch.int32, device=codes.device)  # every slot in use: all packed
+        packed = pack_slots(codes, scales, idx, rows, kind=kind, gate_layout=gate_layout).flatten(1, 2)
+        out[start : start + idx.shape[0], : packed.shape[1]] = packed
+    return out.view(torch.uint8).view(e, n, b)
 
 
 def dequantize(w: torch.Tensor, w_dtype: str, k: int) -> torch.Tensor:

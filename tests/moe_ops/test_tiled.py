@@ -240,3 +240,15 @@ def test_tiled_layer_on_the_kernels_equals_untiled(interleaved, m, rng):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(replay, moe_ops.fused_experts(x, w13, w2, weights, ids, activation=act, quant_config=config))
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("w_dtype,e,n,k", [("mxfp4_tiled_rows", 3, 2880, 2880), ("mxfp4_tiled_gate_up_interleaved", 3, 5760, 2880),
+                                           ("mxfp4_tiled_gate_up", 35, 200, 96)])  # fmt: skip
+def test_cuda_tiling_equals_the_torch_tiler(w_dtype, e, n, k, rng):
+    """Tiling on CUDA (the Triton packer, 16 experts a launch) gives the CPU's torch tiles bit for bit, padding included."""
+    codes, scales = _codes(e, n, k, rng)
+    want = tiled.tile(codes, scales, w_dtype)
+    got = tiled.tile(codes.cuda(), scales.cuda(), w_dtype)
+    assert got.shape == want.shape and torch.equal(got.cpu(), want)
