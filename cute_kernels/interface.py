@@ -682,16 +682,18 @@ def precompile(dtype=torch.bfloat16, sms: int | None = None, bias_dtypes=(None,)
 def w4a16_variants() -> list[W4Epilogue]:
     """Every W4Epilogue a caller can request: float32 sums (GEMM2, or GEMM1 without an activation) and each
     gated activation at its default parameters, each with and without a bias."""
-    rows = [W4Epilogue(None, has_bias=bias, rows_bf16=bf16) for bias in (False, True) for bf16 in (False, True)]
-    return rows + [W4Epilogue(act, has_bias=bias) for act in GATED for bias in (False, True)]
+    biases = ((False, False), (True, False), (True, True))  # (has_bias, bias_bf16)
+    rows = [W4Epilogue(None, has_bias=b, bias_bf16=b16, rows_bf16=bf16) for b, b16 in biases for bf16 in (False, True)]
+    return rows + [W4Epilogue(act, has_bias=b, bias_bf16=b16) for act in GATED for b, b16 in biases]
 
 
 def w4a16_compile_args(epilogue: W4Epilogue) -> tuple:
     """Placeholder arguments with W4a16GroupedSm90.__call__'s types."""
     out = cutlass.BFloat16 if epilogue.activation is not None or epilogue.rows_bf16 else cutlass.Float32
+    bias = cutlass.BFloat16 if epilogue.bias_bf16 else cutlass.Float32
     # the packed words as bytes: the kernel's TMA box is counted in bytes (w4a16_grouped.ROW_W)
-    ptrs = (cc.fake_ptr(cutlass.Uint8), cc.fake_ptr(cutlass.BFloat16), cc.fake_ptr(cutlass.Int32), cc.fake_ptr(out), cc.fake_ptr(cutlass.Float32))
-    return (*ptrs, *[Int32(128)] * 6, cc.fake_stream())
+    ptrs = (cc.fake_ptr(cutlass.Uint8), cc.fake_ptr(cutlass.BFloat16), cc.fake_ptr(cutlass.Int32), cc.fake_ptr(out), cc.fake_ptr(bias))
+    return (*ptrs, *[Int32(128)] * 8, cc.fake_stream())
 
 
 def _w4a16(epilogue: W4Epilogue):
@@ -699,21 +701,27 @@ def _w4a16(epilogue: W4Epilogue):
 
 
 def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = None, alpha: float = 1.702,
-                       limit: float = 7.0, bias=None, out=None, out_dtype=torch.float32) -> torch.Tensor:  # fmt: skip
+                       limit: float = 7.0, bias=None, gate_layout: str | None = None, out=None,
+                       out_dtype=torch.float32) -> torch.Tensor:  # fmt: skip
     """The grouped GEMM of bf16 rows with mxfp4 experts (w4a16_grouped.py).
 
     a [P, K] bf16: each expert's rows contiguous, expert e's at offsets[e]:offsets[e + 1] (int32 [E + 1]);
     packed: pack_mxfp4_experts(codes [E, n, K/2], scales, kind="rows" when activation is None, else "gate_up"),
     int32 [E, tiles, k_tiles, WORDS], or weights tiled at load time as int32 [E, S, WORDS] (S >= tiles * k_tiles
     chunks per expert, the first tiles * k_tiles of them read: w4a16_pack.tiled_chunks).
-    activation None: returns [P, n] = a @ W[e].T (+ bias [E, n] float32) in out_dtype (float32 or bf16);
-    a GATED activation: returns bf16 [P, n / 2] = act(gate, up) of the sums (+ bias [E, 2, n / 2] float32,
-    pack_bias). Rows past offsets[E] are not written. out: the result's tensor, or None for a new one."""
+    activation None: returns [P, n] = a @ W[e].T (+ bias [E, n]) in out_dtype (float32 or bf16);
+    a GATED activation: returns bf16 [P, n / 2] = act(gate, up) of the sums (+ bias [E, n], its gate and up
+    halves as gate_layout says: "concat" or "interleaved"). Biases float32 or bf16, read as they are and added in
+    float32. Rows past offsets[E] are not written. out: the result's tensor, or None for a new one."""
     if activation is None and out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype: got {out_dtype}; allowed without an activation: torch.float32, torch.bfloat16")
-    rows_bf16 = activation is None and out_dtype == torch.bfloat16
-    epi = W4Epilogue(activation, alpha, limit, bias is not None, rows_bf16)  # ValueError for an unknown activation
     kind = "rows" if activation is None else "gate_up"
+    gate_strides = {"concat": lambda n_out: (n_out, 1), "interleaved": lambda n_out: (1, 2)}
+    if kind == "gate_up" and bias is not None and gate_layout not in gate_strides:
+        raise ValueError(f"gate_layout={gate_layout!r} with a bias and an activation; allowed: {', '.join(map(repr, gate_strides))}")
+    rows_bf16 = activation is None and out_dtype == torch.bfloat16
+    bias_bf16 = isinstance(bias, torch.Tensor) and bias.dtype == torch.bfloat16
+    epi = W4Epilogue(activation, alpha, limit, bias is not None, rows_bf16, bias_bf16)  # ValueError for an unknown activation
     if not isinstance(a, torch.Tensor):
         raise TypeError(f"a: expected a tensor, got {type(a).__name__}")
     if a.dim() != 2:
@@ -728,7 +736,7 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
         raise ValueError(f"offsets: {num_experts} experts; the kernel keeps the offsets in shared memory, for at most {MAX_EXPERTS}")
     n_out = w4_pack.output_columns(kind, n)
     tiles = _cdiv(n, w4_pack.TILE_ROWS) if kind == "rows" else _cdiv(n_out, w4_pack.TILE_ROWS // 2)
-    bias_shape = (num_experts, n) if kind == "rows" else (num_experts, 2, n_out)
+    bias_shape = (num_experts, n)
     out_dtype = out_dtype if kind == "rows" else torch.bfloat16
     k_tiles = _cdiv(k, w4_pack.KT)
     if isinstance(packed, torch.Tensor) and packed.dim() == 3:  # tiled at load time: whole experts of S chunks
@@ -742,7 +750,7 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
         a=(a, (p, k), (torch.bfloat16,)),
         packed=(packed, packed_shape, (torch.int32,)),
         offsets=(offsets, (None,), _INDEX),
-        bias=(bias, bias_shape, (torch.float32,)),
+        bias=(bias, bias_shape, (torch.float32, torch.bfloat16)),
         out=(out, (p, n_out), (out_dtype,)),
     )  # fmt: skip
     _check_support(device_support(a.device))
@@ -755,6 +763,7 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
     _launch(
         fn, a.device, _ptr(packed), _ptr(a), _ptr(offsets), _ptr(out), _ptr(bias if bias is not None else offsets),
         *_int32(num_experts, n_out, k, p, num_sms(a.device.index), math.prod(packed.shape[1:-1])),
+        *_int32(*(gate_strides[gate_layout](n_out) if kind == "gate_up" and bias is not None else (0, 0))),
     )  # fmt: skip
     return out
 
@@ -763,7 +772,7 @@ def w4a16_down_reduce(a, packed, bias, offsets, topk_weights, inverse, *, n: int
                       norm_eps: float = 1e-6) -> torch.Tensor:  # fmt: skip
     """GEMM2 with mxfp4 experts, then the token sum: [M, n] bf16 = sum_j topk_weights[m, j] *
     (a[inverse[m*k+j]] @ W[e].T + bias[e]), each row normalized first with norm_weight [n] (bf16 or float32).
-    a [P, I] bf16 grouped by offsets; packed: kind "rows"; bias [E, n] float32. y, the GEMM's rows, in bf16 as the
+    a [P, I] bf16 grouped by offsets; packed: kind "rows"; bias [E, n] float32 or bf16. y, the GEMM's rows, in bf16 as the
     bf16 layer's (down_reduce). Every element of the output is written."""
     _check_tensors(topk_weights=(topk_weights, (None, None), (torch.float32,)))
     m, k = topk_weights.shape

@@ -19,7 +19,8 @@ expert's, or zeros past P) are multiplied and not stored.
 Epilogue, by the tile kind the weights were packed as:
 - "rows" (activation None): C [P, N] float32 (or bf16, rows_bf16) = the sums (+ bias [E, N]);
 - "gate_up" (a GATED activation): warpgroup 1's up sums join warpgroup 0's gate sums of the same 64 columns
-  through shared memory; C [P, N / 2] bf16 = act(gate (+ bias[e, 0]), up (+ bias[e, 1])), bias [E, 2, N / 2].
+  through shared memory; C [P, N / 2] bf16 = act(gate (+ its bias), up (+ its bias)), bias [E, N] in the
+  weights' gate layout (strides given at launch).
 
 The decode (decode_word): five shifts of a word, four masks, four bf16x2 multiplies by 2^(s - 1) (the e8m0
 scale s times the 2^126 that lifts a code off bf16's subnormals) and four sign xors give its four fragment
@@ -67,18 +68,22 @@ MAG = MAG_MASK
 @dataclass(frozen=True)
 class W4Epilogue:
     """activation: None (the "rows" kind: the sums) or a GATED kind (the "gate_up" kind: bf16 act(gate, up));
-    alpha, limit: the activation's parameters (moe_gemm.READS); has_bias: float32 biases added to the sums;
-    rows_bf16: the "rows" kind stores bf16 (for the token sum kernels) instead of float32."""
+    alpha, limit: the activation's parameters (moe_gemm.READS); has_bias: biases added to the sums in float32,
+    read as the layer holds them (float32, or bf16 with bias_bf16); rows_bf16: the "rows" kind stores bf16 (for
+    the token sum kernels) instead of float32."""
 
     activation: str | None = None
     alpha: float = 1.702
     limit: float = 7.0
     has_bias: bool = False
     rows_bf16: bool = False
+    bias_bf16: bool = False
 
     def __post_init__(self):
         if self.activation is not None and self.activation not in GATED:
             raise ValueError(f"W4Epilogue.activation: got {self.activation!r}; allowed: None, {', '.join(map(repr, GATED))}")
+        if self.bias_bf16 and not self.has_bias:
+            raise ValueError("W4Epilogue.bias_bf16: the biases' dtype, with has_bias only")
         if self.activation is not None and self.rows_bf16:
             raise ValueError("W4Epilogue.rows_bf16: only without an activation (an activation's output is bf16 already)")
         # A parameter the activation does not read keeps its default, so that it names no variant of its own.
@@ -154,11 +159,13 @@ class W4a16GroupedSm90:
     @cute.jit
     def __call__(self, w_ptr: cute.Pointer, a_ptr: cute.Pointer, off_ptr: cute.Pointer, c_ptr: cute.Pointer,
                  b_ptr: cute.Pointer, e_num: Int32, n_out: Int32, k: Int32, p: Int32, num_sms: Int32,
-                 expert_chunks: Int32, stream: cuda.CUstream):  # fmt: skip
+                 expert_chunks: Int32, b_gate_stride: Int32, b_col_stride: Int32, stream: cuda.CUstream):  # fmt: skip
         if const_expr(w_ptr.dtype.width != 8 or a_ptr.dtype != BF16):
             # A wider pointer would make the weights' TMA box (BOX x ROW_W elements) larger than the stage's
             # bytes the barrier waits for: a hang, not an error.
             raise TypeError(f"W4a16GroupedSm90: w_ptr must point to bytes (got {w_ptr.dtype}) and a_ptr BFloat16 (got {a_ptr.dtype})")
+        if const_expr(self.epi.has_bias and b_ptr.dtype != (BF16 if self.epi.bias_bf16 else Float32)):
+            raise TypeError(f"W4a16GroupedSm90: b_ptr {b_ptr.dtype} for {self.epi}")
         n_tiles = (n_out + self.cols - 1) // self.cols
         k_tiles = (k + KT - 1) // KT
         # Expert e's chunks start at chunk e * expert_chunks (>= n_tiles * k_tiles: weights tiled at load time pad
@@ -168,7 +175,9 @@ class W4a16GroupedSm90:
         mOff = cute.make_tensor(off_ptr, cute.make_layout((e_num + 1,)))
         mC = cute.make_tensor(c_ptr, cute.make_layout((p, n_out), stride=(n_out, 1)))
         if const_expr(self.gated):
-            mB = cute.make_tensor(b_ptr, cute.make_layout((e_num, 2, n_out), stride=(2 * n_out, n_out, 1)))
+            # The layer's own [E, 2 n_out] bias: gate and up of column c at c * b_col_stride and that + b_gate_stride
+            # ([gate; up]: n_out and 1; interleaved pairs: 1 and 2), so no call re-lays it.
+            mB = cute.make_tensor(b_ptr, cute.make_layout((e_num, 2, n_out), stride=(2 * n_out, b_gate_stride, b_col_stride)))
         else:
             mB = cute.make_tensor(b_ptr, cute.make_layout((e_num, n_out), stride=(n_out, 1)))
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -375,8 +384,8 @@ class W4a16GroupedSm90:
                         g = acc[i]
                         up = sUp[ctid, i]
                         if const_expr(self.epi.has_bias):
-                            g = g + mB[e, 0, col]
-                            up = up + mB[e, 1, col]
+                            g = g + mB[e, 0, col].to(Float32)
+                            up = up + mB[e, 1, col].to(Float32)
                         mC[row0 + c, col] = _gated(self.epi.activation, g, up, self.epi.alpha, self.epi.limit).to(BF16)
         else:
             for i in cutlass.range_constexpr(cute.size(acc)):
@@ -385,5 +394,5 @@ class W4a16GroupedSm90:
                 if (c < rows_left) & (col < n_out):
                     v = acc[i]
                     if const_expr(self.epi.has_bias):
-                        v = v + mB[e, col]
+                        v = v + mB[e, col].to(Float32)
                     mC[row0 + c, col] = v.to(mC.element_type)

@@ -234,19 +234,3 @@ def unpack_mxfp4_experts(packed: torch.Tensor, *, kind: str, gate_layout: str | 
     nib = nib[:, :n, :k]
     codes = (nib[..., 0::2] | nib[..., 1::2] << 4).to(torch.uint8)
     return codes, sc[:, :n, : k // GROUP].to(torch.uint8)
-
-
-def pack_bias(bias: torch.Tensor, *, kind: str, gate_layout: str | None = None) -> torch.Tensor:
-    """An expert bias [E, N] -> the kernel's float32 bias: [E, N] for "rows", [E, 2, N / 2] (gate, up) for "gate_up"."""
-    if not isinstance(bias, torch.Tensor) or bias.dim() != 2 or not bias.dtype.is_floating_point:
-        raise TypeError(f"bias: want a floating [E, N] tensor, got {getattr(bias, 'dtype', type(bias))} {tuple(getattr(bias, 'shape', ()))}")
-    if kind not in KINDS:
-        raise ValueError(f"kind={kind!r}; allowed: {KINDS}")
-    if kind == "rows":
-        return bias.float().contiguous()
-    if gate_layout not in GATE_LAYOUTS:
-        raise ValueError(f"gate_layout={gate_layout!r} with kind 'gate_up'; allowed: {GATE_LAYOUTS}")
-    e, inter = bias.shape[0], bias.shape[1] // 2
-    pairs = bias.reshape(e, 2, inter) if gate_layout == "concat" else bias.reshape(e, inter, 2).transpose(1, 2)
-    # One copy kernel (the cast included): a layer calls this on every call, where launches are the time at M = 1.
-    return torch.empty((e, 2, inter), dtype=torch.float32, device=bias.device).copy_(pairs)

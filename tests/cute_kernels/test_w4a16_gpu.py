@@ -85,8 +85,10 @@ def test_rows_against_float64(iface, counts, with_bias, n, k):
 
 @pytest.mark.parametrize("activation", GATED)
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])
-def test_gated_against_float64(iface, activation, layout):
-    """GEMM1 with its activation in the epilogue: bf16 act(gate + b_gate, up + b_up) of the float64 sums."""
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_gated_against_float64(iface, activation, layout, bias_dtype):
+    """GEMM1 with its activation in the epilogue: bf16 act(gate + b_gate, up + b_up) of the float64 sums, the bias
+    read as the layer holds it ([E, 2I] in the gate layout, float32 or bf16)."""
     from cute_kernels import w4a16_pack as wp
 
     counts = COUNTS[1]
@@ -95,12 +97,12 @@ def test_gated_against_float64(iface, activation, layout):
     offsets = offsets_for(counts)
     p = int(sum(counts))
     a = torch.randn(p, k, device="cuda").bfloat16()
-    bias = torch.randn(e, 2 * inter, device="cuda")
+    bias = torch.randn(e, 2 * inter, device="cuda").to(bias_dtype)
     packed = wp.pack_mxfp4_experts(codes, scales, kind="gate_up", gate_layout=layout)
     out = torch.full((p, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
     params = {"alpha": 1.702, "limit": 7.0, **DEFAULTS.get(activation, {})}
     iface.w4a16_grouped_gemm(a, packed, offsets, n=2 * inter, activation=activation, **params,
-                             bias=wp.pack_bias(bias, kind="gate_up", gate_layout=layout), out=out)  # fmt: skip
+                             bias=bias, gate_layout=layout, out=out)  # fmt: skip
     sums, _ = grouped_sums(a, decode64(codes, scales), offsets, bias)
     want = act64(sums, activation, layout == "interleaved")
     err = (out.double() - want).abs()
@@ -166,10 +168,10 @@ def test_gpt_oss_shapes(iface, m):
     p = m * top_k
     c13, s13 = mxfp4(e, 2 * inter, hidden, 118, 122)
     c2, s2 = mxfp4(e, hidden, inter, 118, 122)
-    b13, b2 = torch.randn(e, 2 * inter, device="cuda"), torch.randn(e, hidden, device="cuda")
+    b13, b2 = torch.randn(e, 2 * inter, device="cuda"), torch.randn(e, hidden, device="cuda").bfloat16()
     a = torch.randn(p, hidden, device="cuda").bfloat16()
     h = iface.w4a16_grouped_gemm(a, wp.pack_mxfp4_experts(c13, s13, kind="gate_up", gate_layout="interleaved"), offsets,
-                                 n=2 * inter, activation="swigluoai", bias=wp.pack_bias(b13, kind="gate_up", gate_layout="interleaved"))  # fmt: skip
+                                 n=2 * inter, activation="swigluoai", bias=b13, gate_layout="interleaved")  # fmt: skip
     y = iface.w4a16_grouped_gemm(h, wp.pack_mxfp4_experts(c2, s2, kind="rows"), offsets, n=hidden, bias=b2)
     sums, _ = grouped_sums(a, decode64(c13, s13), offsets, b13)
     want_h = act64(sums, "swigluoai", True)

@@ -36,7 +36,7 @@ def _args(**change):
         (dict(offsets=torch.tensor([0, 3, 3, 9, P])), TypeError, "offsets: dtype torch.int64"),
         (dict(n=255, activation="silu"), ValueError, "n = 255; expected the weights' row count"),
         (dict(activation="relu2"), ValueError, "W4Epilogue.activation: got 'relu2'"),
-        (dict(bias=torch.zeros(E, N, dtype=torch.bfloat16)), TypeError, "bias: dtype torch.bfloat16; the kernels take torch.float32"),
+        (dict(bias=torch.zeros(E, N, dtype=torch.float16)), TypeError, "bias: dtype torch.float16; the kernels take torch.float32, torch.bfloat16"),
         (dict(bias=torch.zeros(E, 2, N // 2)), ValueError, r"bias: shape \[4, 2, 128\]; expected \[4, 256\]"),
         (dict(out=torch.zeros(P, N, dtype=torch.bfloat16)), TypeError, "out: dtype torch.bfloat16; the kernels take torch.float32"),
         (dict(offsets=torch.zeros(1100, dtype=torch.int32)), ValueError, "offsets: 1099 experts"),
@@ -49,17 +49,27 @@ def test_bad_input_is_refused(change, error, match):
 
 
 def test_gate_up_shapes():
-    """With an activation the packed tiles are 64 output columns each and the bias is [E, 2, n / 2]."""
+    """With an activation the packed tiles are 64 output columns each; the bias is the layer's [E, n], read in the
+    gate layout the call names."""
     args = _args(packed=torch.zeros(E, 2, 3, wp.WORDS, dtype=torch.int32), activation="swigluoai",
-                 bias=torch.zeros(E, 2, N // 2))  # fmt: skip
+                 bias=torch.zeros(E, N, dtype=torch.bfloat16), gate_layout="interleaved")  # fmt: skip
     with pytest.raises(ValueError, match="the kernels do not serve this call"):  # every shape accepted: only the device is left
         interface.w4a16_grouped_gemm(**args)
-    with pytest.raises(ValueError, match=r"bias: shape \[4, 256\]; expected \[4, 2, 128\]"):
-        interface.w4a16_grouped_gemm(**{**args, "bias": torch.zeros(E, N)})
+    with pytest.raises(ValueError, match=r"bias: shape \[4, 2, 128\]; expected \[4, 256\]"):
+        interface.w4a16_grouped_gemm(**{**args, "bias": torch.zeros(E, 2, N // 2)})
+    with pytest.raises(ValueError, match="gate_layout=None with a bias and an activation"):
+        interface.w4a16_grouped_gemm(**{**args, "gate_layout": None})
 
 
 def test_variants_cover_every_epilogue():
-    """Each gated activation, and the plain sums in float32 and bf16, each with and without a bias."""
-    want = {(act, bias, False) for act in interface.GATED for bias in (False, True)}
-    want |= {(None, bias, bf16) for bias in (False, True) for bf16 in (False, True)}
-    assert {(v.activation, v.has_bias, v.rows_bf16) for v in interface.w4a16_variants()} == want
+    """Each gated activation, and the plain sums in float32 and bf16, each without a bias and with a float32 or a
+    bf16 one."""
+    biases = {(False, False), (True, False), (True, True)}
+    want = {(act, b, b16, False) for act in interface.GATED for b, b16 in biases}
+    want |= {(None, b, b16, bf16) for b, b16 in biases for bf16 in (False, True)}
+    assert {(v.activation, v.has_bias, v.bias_bf16, v.rows_bf16) for v in interface.w4a16_variants()} == want
+
+
+def test_bias_dtype_needs_a_bias():
+    with pytest.raises(ValueError, match="bias_bf16"):
+        interface.W4Epilogue(None, bias_bf16=True)

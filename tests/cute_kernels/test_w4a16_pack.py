@@ -116,16 +116,6 @@ def test_row_map_covers_every_weight_row_once():
             assert (int(rows[c // 64, c % 64]), int(rows[c // 64, 64 + c % 64])) == gate_up(c)
 
 
-@pytest.mark.parametrize("layout", ["concat", "interleaved"])
-def test_pack_bias(layout):
-    bias = torch.randn(3, 2 * 40, dtype=torch.bfloat16)
-    got = wp.pack_bias(bias, kind="gate_up", gate_layout=layout)
-    gate, up = (bias[:, :40], bias[:, 40:]) if layout == "concat" else (bias[:, 0::2], bias[:, 1::2])
-    assert got.dtype == torch.float32 and got.shape == (3, 2, 40)
-    assert torch.equal(got[:, 0], gate.float()) and torch.equal(got[:, 1], up.float())
-    assert torch.equal(wp.pack_bias(bias, kind="rows"), bias.float())
-
-
 @pytest.mark.parametrize(
     "change,error,match",
     [

@@ -95,17 +95,22 @@ class ReferenceKernels:
         "gate_up" as [gate; up] rows in the tiles' column order (the kernel pairs tile rows c and 64 + c)."""
         from cute_kernels import w4a16_pack as wp
 
+        if packed.dim() == 3:  # tiled at load time: [E, S, WORDS], the expert's own chunks first
+            chunks = wp.tiles_of(kind, n) * -(-k // wp.KT)
+            packed = packed[:, :chunks].reshape(packed.shape[0], wp.tiles_of(kind, n), -1, wp.WORDS)
         codes, scales = wp.unpack_mxfp4_experts(packed, kind=kind, gate_layout=None if kind == "rows" else "concat", n=n, k=k)
         return formats.dequantize(codes, "mxfp4", (1, 32), scales)
 
-    def w4a16_grouped_gemm(self, a, packed, offsets, *, n, activation=None, alpha=1.702, limit=7.0, bias=None, out=None,
-                           out_dtype=torch.float32):  # fmt: skip
+    def w4a16_grouped_gemm(self, a, packed, offsets, *, n, activation=None, alpha=1.702, limit=7.0, bias=None,
+                           gate_layout=None, out=None, out_dtype=torch.float32):  # fmt: skip
         assert a.dtype == torch.bfloat16 and a.is_contiguous() and offsets.shape == (packed.shape[0] + 1,)
         self.calls.append(("gate_up" if activation else "down_reduce", packed.shape[0]))
         self.w4 = True
         kind = "rows" if activation is None else "gate_up"
         w = self._w4_weights(packed, n, a.shape[1], kind)
-        b = None if bias is None else bias.reshape(bias.shape[0], -1)  # [S, 2, I] -> [gate | up]
+        b = bias
+        if bias is not None and activation is not None and gate_layout == "interleaved":  # to the weights' [gate | up]
+            b = bias.reshape(bias.shape[0], -1, 2).transpose(1, 2).reshape(bias.shape[0], -1)
         h = grouped_gemm(a.float(), None, None, "none", [-1, -1], w, None, None, None, "none", [-1, -1], b, offsets, None, torch.float32)
         if activation is not None:
             h = activation_op(h, activation, alpha, limit, False)
@@ -213,6 +218,32 @@ def test_compositions_match_the_op_chain(case, m, dtype, mapped):
     assert got.dtype == dtype
     err = relative_error(got, want)
     assert err <= tolerance(dtype, a_dtype, fake_quant=True), (case, err)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("m", [1, 12])
+def test_tiled_mxfp4_composition_matches_the_op_chain(interleaved, m, rng):
+    """Weights tiled at load time reach the w4a16 kernels as they are (all E experts, no slots, no re-laying), with
+    the layer's bf16 biases in their own gate layout, and give the op chain's result on the same tiles."""
+    from moe_ops.quant import GroupShape, WeightQuant, mxfp4_w4a16, quantize_weight, tile_mxfp4_weights
+
+    e, h, i = 5, 64, 96
+    mxfp4 = WeightQuant("mxfp4", GroupShape(1, 32))
+    q13 = quantize_weight(torch.randn(e, 2 * i, h, generator=rng), mxfp4)
+    q2 = quantize_weight(torch.randn(e, h, i, generator=rng), mxfp4)
+    b13, b2 = torch.randn(e, 2 * i, generator=rng).bfloat16(), torch.randn(e, h, generator=rng).bfloat16()
+    config = mxfp4_w4a16(q13["scale"], q2["scale"], w13_bias=b13, w2_bias=b2)
+    t13, t2, tiled = tile_mxfp4_weights(q13["q"], q2["q"], config, interleaved=interleaved)
+    act = Activation("swigluoai", interleaved=True) if interleaved else Activation()
+    x = torch.randn(m, h, generator=rng).bfloat16()
+    ids = torch.stack([torch.randperm(e, generator=rng)[:2] for _ in range(m)]).int()
+    tw = torch.rand(m, 2, generator=rng)
+    want = fused_experts(x, t13, t2, tw, ids, activation=act, quant_config=tiled)
+    offsets, gather_idx, inverse = routing_plan(ids, e, None)
+    kernels = ReferenceKernels()
+    got = _run_quantized(kernels, x, t13, t2, tw, act, b13, b2, None, tiled, offsets, gather_idx, inverse, None)
+    assert kernels.w4 and kernels.calls == [("gate_up", e), ("down_reduce", e)]
+    assert relative_error(got, want) <= tolerance(torch.bfloat16, None, fake_quant=True)
 
 
 def _local(config, keep):
