@@ -312,9 +312,12 @@ class W4a16GroupedSm90:
         sUp = storage.up.get_tensor(cute.make_layout((128, 8)))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)  # the next stage to release
+        bias = cute.make_rmem_tensor((2, cute.size(acc)), Float32)  # (gate or row, up) of each accumulator element
         u = Int32(bidx)
         while u < units:
             e, tile, row0, rows_left = self.unit_place(sCum, sOff, u, e_num, n_tiles)
+            if const_expr(self.epi.has_bias):
+                self.load_biases(bias, tCcC, mB, e, tile, n_out, wg)
             acc.fill(0.0)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             for kt in range(k_tiles):
@@ -353,8 +356,25 @@ class W4a16GroupedSm90:
             if k_tiles > 0:
                 pipe.consumer_release(done)
                 done.advance()
-            self.epilogue(acc, tCcC, sUp, mC, mB, e, tile, row0, rows_left, n_out, ctid, wg)
+            self.epilogue(acc, tCcC, sUp, mC, bias, e, tile, row0, rows_left, n_out, ctid, wg)
             u += grid
+
+    @cute.jit
+    def load_biases(self, bias, tCcC, mB, e, tile, n_out, wg):
+        """The unit's biases of this thread's accumulator elements in float32, loaded before its k-loop so that
+        their latency hides under it: loaded in the epilogue, once per unit, it cost ~9% of gpt-oss's biased layer
+        at M = 128 (bench/NOTES.md v56). Gated: warpgroup 0 only, which applies the activation."""
+        for i in cutlass.range_constexpr(cute.size(tCcC)):
+            mrow, _ = tCcC[i]
+            if const_expr(self.gated):
+                col = tile * GATE_COLS + mrow
+                if (wg == 0) & (col < n_out):
+                    bias[0, i] = mB[e, 0, col].to(Float32)
+                    bias[1, i] = mB[e, 1, col].to(Float32)
+            else:
+                col = tile * TILE_ROWS + wg * 64 + mrow
+                if col < n_out:
+                    bias[0, i] = mB[e, col].to(Float32)
 
     @cute.jit
     def put(self, a32, h, g, regs):
@@ -365,9 +385,9 @@ class W4a16GroupedSm90:
         a32[(0, h, 1), 0, 2 * g + 1] = regs[3]
 
     @cute.jit
-    def epilogue(self, acc, tCcC, sUp, mC, mB, e, tile, row0, rows_left, n_out, ctid, wg):
+    def epilogue(self, acc, tCcC, sUp, mC, bias, e, tile, row0, rows_left, n_out, ctid, wg):
         """Store a unit's sums: accumulator element i is weight row tCcC[i][0] of this warpgroup's 64, row of A
-        tCcC[i][1] of the m-tile's 16."""
+        tCcC[i][1] of the m-tile's 16; bias: load_biases' values."""
         if const_expr(self.gated):
             # Warpgroup 1's up sums to warpgroup 0, which holds the same columns' gate sums. Barrier 1: warpgroup 0
             # has read the unit before's; barrier 2: warpgroup 1 has written this one's.
@@ -384,8 +404,8 @@ class W4a16GroupedSm90:
                         g = acc[i]
                         up = sUp[ctid, i]
                         if const_expr(self.epi.has_bias):
-                            g = g + mB[e, 0, col].to(Float32)
-                            up = up + mB[e, 1, col].to(Float32)
+                            g = g + bias[0, i]
+                            up = up + bias[1, i]
                         mC[row0 + c, col] = _gated(self.epi.activation, g, up, self.epi.alpha, self.epi.limit).to(BF16)
         else:
             for i in cutlass.range_constexpr(cute.size(acc)):
@@ -394,5 +414,5 @@ class W4a16GroupedSm90:
                 if (c < rows_left) & (col < n_out):
                     v = acc[i]
                     if const_expr(self.epi.has_bias):
-                        v = v + mB[e, col].to(Float32)
+                        v = v + bias[0, i]
                     mC[row0 + c, col] = v.to(mC.element_type)
