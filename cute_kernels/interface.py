@@ -37,7 +37,7 @@ from .moe_gemm import GATED, HINT_MAX_PAIRS, MAX_EXPERTS, SCALE_BLOCK, Epilogue,
 from .norm_token_sum import MAX_H as NORM_MAX_H, NormTokenSumSm90  # noqa: E402
 from .token_sum import TokenSumSm90  # noqa: E402
 from . import w4a16_pack as w4_pack  # noqa: E402
-from .w4a16_grouped import W4a16GroupedSm90, W4Epilogue  # noqa: E402
+from .w4a16_grouped import TOKS as W4A16_TOKS, W4a16GroupedSm90, W4Epilogue  # noqa: E402
 
 ACTIVATIONS = (*GATED, "relu2")
 FP8 = torch.float8_e4m3fn
@@ -696,13 +696,23 @@ def w4a16_compile_args(epilogue: W4Epilogue) -> tuple:
     return (*ptrs, *[Int32(128)] * 8, cc.fake_stream())
 
 
-def _w4a16(epilogue: W4Epilogue):
-    return cc.get(f"w4a16_grouped:{epilogue}", lambda: (W4a16GroupedSm90(epilogue), w4a16_compile_args(epilogue)))
+def _w4a16(epilogue: W4Epilogue, tok: int):
+    return cc.get(f"w4a16_grouped:{epilogue}:tok{tok}", lambda: (W4a16GroupedSm90(epilogue, tok), w4a16_compile_args(epilogue)))
+
+
+# Rows per expert (P / E) from which 32-row m-tiles beat 16-row ones (bench/NOTES.md v57).
+W4A16_TOK32_ROWS = 24
+
+
+def choose_w4a16_tok(p: int, num_experts: int) -> int:
+    """The w4a16 kernel's m-tile for P grouped rows over E experts (host ints: no sync): 32 rows where experts
+    average W4A16_TOK32_ROWS or more (the decode, paid per m-tile, then halves), else 16."""
+    return 32 if p >= W4A16_TOK32_ROWS * max(1, num_experts) else 16
 
 
 def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = None, alpha: float = 1.702,
                        limit: float = 7.0, bias=None, gate_layout: str | None = None, out=None,
-                       out_dtype=torch.float32) -> torch.Tensor:  # fmt: skip
+                       out_dtype=torch.float32, tok: int | None = None) -> torch.Tensor:  # fmt: skip
     """The grouped GEMM of bf16 rows with mxfp4 experts (w4a16_grouped.py).
 
     a [P, K] bf16: each expert's rows contiguous, expert e's at offsets[e]:offsets[e + 1] (int32 [E + 1]);
@@ -712,9 +722,12 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
     activation None: returns [P, n] = a @ W[e].T (+ bias [E, n]) in out_dtype (float32 or bf16);
     a GATED activation: returns bf16 [P, n / 2] = act(gate, up) of the sums (+ bias [E, n], its gate and up
     halves as gate_layout says: "concat" or "interleaved"). Biases float32 or bf16, read as they are and added in
-    float32. Rows past offsets[E] are not written. out: the result's tensor, or None for a new one."""
+    float32. Rows past offsets[E] are not written. out: the result's tensor, or None for a new one. tok: the
+    m-tile's rows (16 or 32; None: choose_w4a16_tok)."""
     if activation is None and out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype: got {out_dtype}; allowed without an activation: torch.float32, torch.bfloat16")
+    if tok is not None and tok not in W4A16_TOKS:
+        raise ValueError(f"tok={tok!r}; allowed: None, {', '.join(map(str, W4A16_TOKS))}")
     kind = "rows" if activation is None else "gate_up"
     gate_strides = {"concat": lambda n_out: (n_out, 1), "interleaved": lambda n_out: (1, 2)}
     if kind == "gate_up" and bias is not None and gate_layout not in gate_strides:
@@ -759,7 +772,8 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
     out = torch.empty((p, n_out), dtype=out_dtype, device=a.device) if out is None else out
     if p == 0:
         return out
-    fn = _w4a16(epi)
+    tok = choose_w4a16_tok(p, num_experts) if tok is None else tok
+    fn = _w4a16(epi, tok)
     _launch(
         fn, a.device, _ptr(packed), _ptr(a), _ptr(offsets), _ptr(out), _ptr(bias if bias is not None else offsets),
         *_int32(num_experts, n_out, k, p, num_sms(a.device.index), math.prod(packed.shape[1:-1])),

@@ -4,15 +4,17 @@
 
 A [P, K] bf16 holds each expert's rows contiguously (offsets [E + 1], the routing plan's); W comes packed by
 w4a16_pack.py (one chunk per (expert, tile, k-tile of 128)). The weights stream through shared memory once per
-16-row m-tile, and each consumer thread decodes its own words into register-A WGMMA fragments (swapped
-operands: 64 weight rows on WGMMA's M side, 16 rows of A on its N side), so no decoded weight is ever stored.
+m-tile of A (16 or 32 rows: `tok`), and each consumer thread decodes its own words into register-A WGMMA
+fragments (swapped operands: 64 weight rows on WGMMA's M side, the m-tile on its N side), so no decoded weight
+is ever stored. The decode is the kernel's cost and is paid once per m-tile: 32-row m-tiles halve it where
+experts hold that many rows.
 At small M this reads 4.25 bits per weight where the bf16 kernels read 16.
 
-Work: units (expert, 16-row m-tile, tile), expert by expert, handed out round-robin over a persistent grid of
+Work: units (expert, m-tile, tile), expert by expert, handed out round-robin over a persistent grid of
 one CTA per SM. A unit's expert comes from a binary search over a per-CTA prefix sum of units per expert (warp
 0 scans with shuffles), not a walk over every expert: at M = 1 the walk over 128 experts, one dependent
 shared-memory load each, took half of GEMM2's time (branch wip/w4a16, bench/NOTES.md v54). Warpgroup 0's
-first warp loads (TMA) each k-tile's weight chunk and the unit's 16 rows of A into a ring of STAGES; two
+first warp loads (TMA) each k-tile's weight chunk and the unit's rows of A into a ring of STAGES; two
 consumer warpgroups decode and multiply 64 weight rows each. Rows of an m-tile past its expert (the next
 expert's, or zeros past P) are multiplied and not stored.
 
@@ -47,14 +49,13 @@ from .moe_gemm import GATED, READS, _gated
 from .w4a16_pack import CODE_WORDS, GROUPS, KT, MAG_MASK, MAG_SHIFT, SIGN_MASK, SIGN_SHIFT, TILE_ROWS, WORDS
 
 BF16 = cutlass.BFloat16
-TOK = 16  # rows of A per m-tile: WGMMA's N
+TOKS = (16, 32)  # rows of A per m-tile (WGMMA's N), a variant: interface.choose_w4a16_tok
 KB = KT // 16  # WGMMA k-blocks per k-tile
 CHUNK = WORDS * 4  # bytes of one (expert, tile, k-tile) chunk
 ROW_W = 128  # the chunk as a TMA box of BOX rows of ROW_W bytes (a box has at most 256 rows)
 BOX = CHUNK // ROW_W
 assert CHUNK % ROW_W == 0 and BOX <= 256
-STAGE_BYTES = CHUNK + TOK * KT * 2
-STAGES = 12  # 150 KB of ring: deeper rings measured no faster (branch wip/w4a16)
+STAGES = 12  # 150 KB of ring at 16 rows (198 KB at 32): deeper rings measured no faster (branch wip/w4a16)
 CONSUMERS = 2  # warpgroups, 64 weight rows each
 THREADS = 128 * (1 + CONSUMERS)
 # The offsets and the units' prefix sum live in shared memory (one round of global loads per CTA).
@@ -151,8 +152,12 @@ def decode_word_any(q, m1, m2):
 class W4a16GroupedSm90:
     """See the module docstring. Compile with __call__'s argument types (interface.w4a16_compile_args)."""
 
-    def __init__(self, epilogue: W4Epilogue):
+    def __init__(self, epilogue: W4Epilogue, tok: int = 16):
+        if tok not in TOKS:
+            raise ValueError(f"W4a16GroupedSm90: tok={tok!r}; allowed: {TOKS}")
         self.epi = epilogue
+        self.tok = tok
+        self.stage_bytes = CHUNK + tok * KT * 2
         self.gated = epilogue.activation is not None
         self.cols = GATE_COLS if self.gated else TILE_ROWS  # output columns per tile
 
@@ -182,11 +187,11 @@ class W4a16GroupedSm90:
             mB = cute.make_tensor(b_ptr, cute.make_layout((e_num, n_out), stride=(n_out, 1)))
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             BF16, BF16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1),
-            tiler_mn=(64, TOK), a_source=warpgroup.OperandSource.RMEM,
+            tiler_mn=(64, self.tok), a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
         atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, BF16, 64), BF16)
-        sA_layout = cute.tile_to_shape(atom, (TOK, KT, STAGES), order=(0, 1, 2))
-        tma_a, gA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(sA_layout, (None, None, 0)), (TOK, KT))
+        sA_layout = cute.tile_to_shape(atom, (self.tok, KT, STAGES), order=(0, 1, 2))
+        tma_a, gA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(sA_layout, (None, None, 0)), (self.tok, KT))
         sW_layout = cute.make_layout((BOX, ROW_W, STAGES), stride=(ROW_W, 1, CHUNK))
         tma_w, gW = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW, cute.make_layout((BOX, ROW_W), stride=(ROW_W, 1)), (BOX, ROW_W))
 
@@ -195,7 +200,7 @@ class W4a16GroupedSm90:
             bar: cute.struct.MemRange[cutlass.Int64, STAGES * 2]
             off: cute.struct.MemRange[Int32, MAX_EXPERTS + 1]
             cum: cute.struct.MemRange[Int32, MAX_EXPERTS + 1]
-            up: cute.struct.MemRange[Float32, 128 * 8 if self.gated else 1]
+            up: cute.struct.MemRange[Float32, 128 * (self.tok // 2) if self.gated else 1]
             sA: cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(sA_layout)], 1024]
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(sW_layout)], 1024]
 
@@ -224,7 +229,7 @@ class W4a16GroupedSm90:
         e = self.expert_of(sCum, u, e_num)
         m_tile = (u - sCum[e]) // n_tiles
         tile = u - sCum[e] - m_tile * n_tiles
-        row0 = sOff[e] + m_tile * TOK
+        row0 = sOff[e] + m_tile * self.tok
         return e, tile, row0, sOff[e + 1] - row0
 
     @cute.kernel
@@ -241,7 +246,7 @@ class W4a16GroupedSm90:
             barrier_storage=storage.bar.data_ptr(), num_stages=STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * CONSUMERS),
-            tx_count=STAGE_BYTES, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True,
+            tx_count=self.stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True,
         )  # fmt: skip
         cute.arch.mbarrier_init_fence()
         e_num = mOff.shape[0] - 1
@@ -258,7 +263,7 @@ class W4a16GroupedSm90:
             hi = cutlass.min(lo + per, e_num)
             own = Int32(0)
             for e in range(lo, hi):
-                own += (sOff[e + 1] - sOff[e] + TOK - 1) // TOK * n_tiles
+                own += (sOff[e + 1] - sOff[e] + self.tok - 1) // self.tok * n_tiles
             incl = own
             for d in cutlass.range_constexpr(5):
                 t = cute.arch.shuffle_sync_up(incl, 1 << d)
@@ -267,7 +272,7 @@ class W4a16GroupedSm90:
             run = incl - own
             for e in range(lo, hi):
                 sCum[e] = run
-                run += (sOff[e + 1] - sOff[e] + TOK - 1) // TOK * n_tiles
+                run += (sOff[e + 1] - sOff[e] + self.tok - 1) // self.tok * n_tiles
             if lane == 31:
                 sCum[e_num] = incl
         cute.arch.sync_threads()
@@ -282,7 +287,7 @@ class W4a16GroupedSm90:
                 u = Int32(bidx)
                 while u < units:
                     e, tile, row0, _ = self.unit_place(sCum, sOff, u, e_num, n_tiles)
-                    gA = cute.local_tile(cute.domain_offset((row0, 0), gA_full), (TOK, KT), (0, None))
+                    gA = cute.local_tile(cute.domain_offset((row0, 0), gA_full), (self.tok, KT), (0, None))
                     tAs, tAg = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
                     for kt in range(k_tiles):
                         pipe.producer_acquire(state)
@@ -306,10 +311,10 @@ class W4a16GroupedSm90:
         tCrB = tiled_mma.make_fragment_B(thr.partition_B(sA))
         tCrA = tiled_mma.make_fragment_A(thr.partition_A(cute.make_rmem_tensor((64, KT), BF16)))
         a32 = cute.recast_tensor(tCrA, Int32)
-        tCcC = thr.partition_C(cute.make_identity_tensor((64, TOK)))
+        tCcC = thr.partition_C(cute.make_identity_tensor((64, self.tok)))
         acc = cute.make_rmem_tensor(tCcC.shape, Float32)
         sW32 = cute.recast_tensor(sW, Int32)
-        sUp = storage.up.get_tensor(cute.make_layout((128, 8)))
+        sUp = storage.up.get_tensor(cute.make_layout((128, self.tok // 2)))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)  # the next stage to release
         bias = cute.make_rmem_tensor((2, cute.size(acc)), Float32)  # (gate or row, up) of each accumulator element
@@ -387,7 +392,7 @@ class W4a16GroupedSm90:
     @cute.jit
     def epilogue(self, acc, tCcC, sUp, mC, bias, e, tile, row0, rows_left, n_out, ctid, wg):
         """Store a unit's sums: accumulator element i is weight row tCcC[i][0] of this warpgroup's 64, row of A
-        tCcC[i][1] of the m-tile's 16; bias: load_biases' values."""
+        tCcC[i][1] of the m-tile's; bias: load_biases' values."""
         if const_expr(self.gated):
             # Warpgroup 1's up sums to warpgroup 0, which holds the same columns' gate sums. Barrier 1: warpgroup 0
             # has read the unit before's; barrier 2: warpgroup 1 has written this one's.

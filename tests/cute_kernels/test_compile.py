@@ -175,15 +175,16 @@ def test_moe_gemm_variant(variant, tmp_path):
         _check_resources(_ptxas(ptx, tmp_path))
 
 
+@pytest.mark.parametrize("tok", w4.TOKS)
 @pytest.mark.parametrize("epilogue", interface.w4a16_variants(), ids=str)
-def test_w4a16_variant(epilogue, tmp_path):
+def test_w4a16_variant(epilogue, tok, tmp_path):
     """The w4a16 grouped GEMM: the weights' chunk and the rows by 2-D TMA, register-A WGMMA on bf16 (weights on
-    M: m64n16k16), KB per k-tile, the decode's bf16x2 multiplies (one per output register; two with a scale
+    M: m64n{tok}k16), KB per k-tile, the decode's bf16x2 multiplies (one per output register; two with a scale
     above 2^1), bf16 stores after an activation, float32 ones otherwise; no local memory or spills."""
-    kernel = w4.W4a16GroupedSm90(epilogue)
+    kernel = w4.W4a16GroupedSm90(epilogue, tok)
     ptx = _compile(kernel, interface.w4a16_compile_args(epilogue), tmp_path)
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 [^;]*;", ptx)
-    assert len(wgmma) == w4.KB and set(re.findall(r"m64n(\d+)k16", " ".join(wgmma))) <= {str(w4.TOK)}
+    assert len(wgmma) == w4.KB and set(wgmma) == {str(tok)}  # WGMMA's N is the m-tile's rows
     # register A: the operand after the accumulators is a brace list of 4 registers, not a descriptor
     assert all(re.search(r"\}, \{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", m) for m in re.findall(r"wgmma\.mma_async[^;]*;", ptx))
     assert ptx.count("cp.async.bulk.tensor.2d.shared::cta.global") >= 2  # the weights' chunk, the rows (the loop unrolled)

@@ -66,7 +66,8 @@ COUNTS = [[1, 0, 0, 0], [3, 0, 17, 1, 0, 40, 2, 9], [0, 0, 130, 0, 7, 0, 0, 33]]
 @pytest.mark.parametrize("counts", COUNTS, ids=["M1", "ragged", "empty-experts"])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("n,k", [(200, 320), (256, 2880)])
-def test_rows_against_float64(iface, counts, with_bias, n, k):
+@pytest.mark.parametrize("tok", [16, 32])
+def test_rows_against_float64(iface, counts, with_bias, n, k, tok):
     from cute_kernels import w4a16_pack as wp
 
     e = len(counts)
@@ -77,7 +78,7 @@ def test_rows_against_float64(iface, counts, with_bias, n, k):
     bias = torch.randn(e, n, device="cuda") if with_bias else None
     packed = wp.pack_mxfp4_experts(codes, scales, kind="rows")
     out = torch.full((p, n), float("nan"), device="cuda")
-    iface.w4a16_grouped_gemm(a, packed, offsets, n=n, bias=bias, out=out)
+    iface.w4a16_grouped_gemm(a, packed, offsets, n=n, bias=bias, out=out, tok=tok)
     want, bound = grouped_sums(a, decode64(codes, scales), offsets, bias)
     # float32 accumulation of exact products: a few ulps of the sum of magnitudes
     assert ((out.double() - want).abs() <= 1e-5 * bound + 1e-6 * want.abs()).all(), (out.double() - want).abs().max()
@@ -85,8 +86,8 @@ def test_rows_against_float64(iface, counts, with_bias, n, k):
 
 @pytest.mark.parametrize("activation", GATED)
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])
-@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
-def test_gated_against_float64(iface, activation, layout, bias_dtype):
+@pytest.mark.parametrize("bias_dtype,tok", [(torch.float32, 16), (torch.bfloat16, 32)])
+def test_gated_against_float64(iface, activation, layout, bias_dtype, tok):
     """GEMM1 with its activation in the epilogue: bf16 act(gate + b_gate, up + b_up) of the float64 sums, the bias
     read as the layer holds it ([E, 2I] in the gate layout, float32 or bf16)."""
     from cute_kernels import w4a16_pack as wp
@@ -102,7 +103,7 @@ def test_gated_against_float64(iface, activation, layout, bias_dtype):
     out = torch.full((p, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
     params = {"alpha": 1.702, "limit": 7.0, **DEFAULTS.get(activation, {})}
     iface.w4a16_grouped_gemm(a, packed, offsets, n=2 * inter, activation=activation, **params,
-                             bias=bias, gate_layout=layout, out=out)  # fmt: skip
+                             bias=bias, gate_layout=layout, out=out, tok=tok)  # fmt: skip
     sums, _ = grouped_sums(a, decode64(codes, scales), offsets, bias)
     want = act64(sums, activation, layout == "interleaved")
     err = (out.double() - want).abs()
@@ -155,10 +156,10 @@ def test_cuda_graph_replays_on_new_rows(iface):
         assert ((out.double() - want).abs() <= 1e-5 * bound).all()
 
 
-@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("m", [1, 16, 1024])
 def test_gpt_oss_shapes(iface, m):
     """gpt-oss-120b's expert GEMMs (E = 128, top-4, H = I = 2880): GEMM1 with swigluoai on interleaved gate/up rows
-    and biases, then GEMM2 with its bias, on a routing of m tokens."""
+    and biases, then GEMM2 with its bias, on a routing of m tokens (1024: 32 rows per expert, 32-row m-tiles)."""
     from cute_kernels import w4a16_pack as wp
 
     e, top_k, hidden, inter = 128, 4, 2880, 2880
