@@ -77,8 +77,8 @@ def test_bias_dtype_needs_a_bias():
 
 
 def test_m_tile_rule():
-    """32-row m-tiles from 24 rows per expert on average (P / E), 16 below; E = 0 counts as one expert."""
+    """32-row m-tiles from 12 rows per expert on average (P / E), 16 below; E = 0 counts as one expert."""
     assert interface.choose_w4a16_tok(4096, 128) == 32  # gpt-oss M = 1024, top-4
-    assert interface.choose_w4a16_tok(3071, 128) == 16
+    assert interface.choose_w4a16_tok(1535, 128) == 16
     assert interface.choose_w4a16_tok(512, 128) == 16
-    assert interface.choose_w4a16_tok(24, 0) == 32
+    assert interface.choose_w4a16_tok(12, 0) == 32
