@@ -99,8 +99,7 @@ def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_
     for name, t in (("w13", w13), ("w2", w2), ("w13_bias", w13_bias), ("w2_bias", w2_bias), ("post_expert_norm.weight", norm_weight)):
         if t is not None and not t.is_contiguous():
             return interface, f"{name}: strides {t.stride()} are not contiguous; the kernels take contiguous tensors"
-    tiled_weights = scheme.weight is not None and scheme.weight.tiled is not None
-    intermediate = n13 // 2 if tiled_weights else w2.shape[2] * (scheme.weight.packing if scheme.weight is not None else 1)
+    intermediate = n13 // 2 if scheme.tiled is not None else w2.shape[2] * (scheme.weight.packing if scheme.weight is not None else 1)
     common = dict(
         dtype=x.dtype, weight_dtype=x.dtype if quantized else w13.dtype, hidden=hidden, intermediate=intermediate,
         num_experts=num_experts, weight_row_major=True,
@@ -115,7 +114,7 @@ def why_not(x, w13, w2, topk_weights, act: Activation, config: QuantConfig, w13_
             return interface, why
     (a_dtype, _), (w13_dtype, w2_dtype, w_group) = op_args(scheme.activation), tiled.weight_op_args(scheme.weight)
     w4 = w4_kernels.serves(a_dtype, w13_dtype, w_group, x.dtype, act.kind) and w4_kernels.serves(a_dtype, w2_dtype, w_group, x.dtype)
-    if tiled_weights and not w4:
+    if scheme.tiled is not None and not w4:
         return interface, w4_kernels.TILED_ONLY
     if quantized and not w4 and not fp8_kernels.serves(*op_args(scheme.activation), *op_args(scheme.weight), x.dtype):
         for which, n, k in (("w13", n13, hidden), ("w2", hidden, intermediate)):

@@ -78,8 +78,8 @@ def check_inputs(
     m, hidden = hidden_states.shape
     num_experts = w13.shape[0]
     wq = config.scheme.weight
-    if wq is not None and wq.tiled is not None:
-        check_tiled_activation(act, wq.tiled)
+    if config.scheme.tiled is not None:
+        check_tiled_activation(act, config.scheme.tiled)
         intermediate = w13.shape[1] // 2  # a tiled w2's shape holds no K
     else:
         intermediate = w2.shape[2] * (1 if wq is None else wq.packing)
@@ -94,7 +94,7 @@ def check_inputs(
             f"from w2), got shape {tuple(w13.shape)}"
         )
     packing = 1 if wq is None else wq.packing
-    if (wq is None or wq.tiled is None) and w13.shape[2] * packing != hidden:
+    if config.scheme.tiled is None and w13.shape[2] * packing != hidden:
         raise ValueError(f"w13: expected {hidden // packing} columns (H={hidden}), got shape {tuple(w13.shape)}")
     if wq is None:
         for name, w in (("w13", w13), ("w2", w2)):
@@ -132,9 +132,9 @@ def check_inputs(
 
 def check_tiled_activation(act: Activation, gates: str) -> None:
     """A layer tiled with WeightQuant.tiled = gates runs a gated activation reading its rows that way."""
-    reads = "interleaved" if act.interleaved else "concat"
-    if not act.gated or reads != gates:
-        got = f"{act.kind!r}" + (f" with {reads} gates" if act.gated else ", which has no gate")
+    reads = tiled.gates_read(act.gated, act.interleaved)
+    if reads != gates:
+        got = f"{act.kind!r}" + (f" with {reads} gates" if reads else ", which has no gate")
         raise ValueError(
             f"activation: the weights were tiled for a gated activation with {gates} gates "
             f"(tile_mxfp4_weights' interleaved={gates == 'interleaved'}), got {got}"

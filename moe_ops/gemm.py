@@ -92,7 +92,6 @@ def _dequantizer(w, w_dtype, w_group, w_scale, w_global_scale, w_zero, k: int | 
     mxfp4 (quant/tiled.py; k: the GEMM's K) is read back to codes and scales per call, for those experts only."""
     num_experts = w.shape[0]
     if tiled.is_tiled(w_dtype):
-
         return lambda idx: tiled.dequantize(w[idx], w_dtype, k)
 
     def pick(t, idx):

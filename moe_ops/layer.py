@@ -126,7 +126,7 @@ class FusedMoE(nn.Module):
         scales from calibration (sample hidden states) through the router. Nothing is written unless
         everything succeeds."""
         wq = self.scheme.weight
-        if wq is not None and wq.tiled is not None:
+        if self.scheme.tiled is not None:
             raise ValueError("weights: this layer's expert weights are tiled (tile_weights()); load expert weights before tiling")
         new = {which: w if wq is None else quantize_weight(w, wq, which) for which, w in (("w13", w13), ("w2", w2)) if w is not None}
         scales = {}
@@ -444,8 +444,8 @@ class FusedMoE(nn.Module):
         """The expert weights in float32 (dequantized for a quantized scheme): w13 [E, n13, H], w2 [E, H, I]."""
         c = self.quant_config()
         wq = self.scheme.weight
-        if wq is not None and wq.tiled is not None:
-            f13, f2 = tiled.gemm_formats(wq.tiled)
+        if self.scheme.tiled is not None:
+            f13, f2 = tiled.gemm_formats(self.scheme.tiled)
             return tiled.dequantize(self.w13, f13, self.hidden_size), tiled.dequantize(self.w2, f2, self.intermediate_size)
         return (
             dequantize_weight(self.w13, wq, c.w13_scale, c.w13_global_scale, c.w13_zero),
@@ -456,5 +456,5 @@ class FusedMoE(nn.Module):
         return (
             f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
             f"intermediate={self.intermediate_size}, activation={self.activation.kind}, scheme={self.scheme.name}"
-            + (" (tiled)" if self.scheme.weight is not None and self.scheme.weight.tiled is not None else "")
+            + (" (tiled)" if self.scheme.tiled is not None else "")
         )

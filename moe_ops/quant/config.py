@@ -278,7 +278,7 @@ def tile_mxfp4_weights(w13: torch.Tensor, w2: torch.Tensor, config: QuantConfig,
     the kernels) or decoded (the reference, from the tiles: the same values)."""
     if not isinstance(config, QuantConfig):
         raise TypeError(f"config: expected a moe_ops.QuantConfig, got {type(config).__name__}")
-    if config.name != "mxfp4_w4a16" or config.scheme.weight.tiled is not None:
+    if config.name != "mxfp4_w4a16" or config.scheme.tiled is not None:
         raise ValueError(f"config: tiling takes an untiled mxfp4_w4a16 layer, got {config.scheme.describe()}")
     if not isinstance(interleaved, bool):
         raise TypeError(f"interleaved: expected a bool, got {interleaved!r}")

@@ -216,6 +216,11 @@ class QuantScheme:
         )
         raise ValueError(f"QuantScheme: activations {_describe(a)} with weights {_describe(w)} is not supported; allowed: {allowed}")
 
+    @property
+    def tiled(self) -> str | None:
+        """The weights' WeightQuant.tiled: None for weights as stored (or none quantized)."""
+        return None if self.weight is None else self.weight.tiled
+
     def describe(self) -> str:
         a = "bf16/fp16/fp32" if self.activation is None else f"{self.activation.dtype} {self.activation.group}" + (
             " static" if self.activation.static else ""

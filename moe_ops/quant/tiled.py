@@ -9,9 +9,8 @@ A tiled weight is uint8 [E, N, B] (w4a16_pack.tiled_chunks): N stays the weight'
 read N where they did; K is the activations' width (B holds whole 128-K chunks, padded), checked against the
 tiles to the k-tile of 128, the finest size they record (FusedMoE checks the activations' width itself; a
 hand-written call passing activations narrower than the weights' K within its last k-tile would read the
-columns past it). Its op format string
-names the tile kind, which the reference needs to read it back: GEMM1 of a gated activation pairs gate and up
-rows per tile, as its gate layout says; GEMM2 has plain row tiles.
+columns past it). Its op format string names the tile kind, which the reference needs to read it back: GEMM1
+of a gated activation pairs gate and up rows per tile, as its gate layout says; GEMM2 has plain row tiles.
 """
 from __future__ import annotations
 
@@ -50,15 +49,20 @@ def weight_op_args(wq) -> tuple[str, str, list[int]]:
     return wq.dtype, wq.dtype, list(wq.group.astuple())
 
 
+def gates_read(gated: bool, interleaved: bool) -> str | None:
+    """How an activation reads GEMM1's gate and up rows: "concat", "interleaved", or None (no gate)."""
+    return ("interleaved" if interleaved else "concat") if gated else None
+
+
 def check_gemm1_format(w_dtype: str, gated: bool, interleaved: bool) -> None:
     """GEMM1 on tiled weights: their tiles must pair the gate and up rows as the activation reads them."""
     if not is_tiled(w_dtype):
         return
     kind, gate_layout = TILED_FORMATS[w_dtype]
-    want = ("interleaved" if interleaved else "concat") if gated else None
+    want = gates_read(gated, interleaved)
     if kind != "gate_up" or gate_layout != want:
-        need = f"a gate_up format with {want} gates" if gated else "no tiled format (tiles pair gate and up rows; this activation has no gate)"
-        raise ValueError(f"w_dtype: GEMM1 of {'a gated activation, interleaved' if interleaved and gated else 'a gated activation' if gated else 'an activation without a gate'} needs {need}, got {w_dtype!r}")
+        need = f"a gate_up format with {want} gates" if want else "no tiled format (tiles pair gate and up rows; this activation has no gate)"
+        raise ValueError(f"w_dtype: GEMM1 of an activation reading its gates as {want} needs {need}, got {w_dtype!r}")
 
 
 def check_gemm2_format(w_dtype: str) -> None:
