@@ -680,8 +680,8 @@ def precompile(dtype=torch.bfloat16, sms: int | None = None, bias_dtypes=(None,)
 
 
 def w4a16_variants() -> list[W4Epilogue]:
-    """Every W4Epilogue a caller can request: float32 sums (GEMM2, or GEMM1 without an activation) and each
-    gated activation at its default parameters, each with and without a bias."""
+    """Every W4Epilogue a caller can request: float32 or bf16 sums (GEMM2, or GEMM1 without an activation) and
+    each gated activation at its default parameters, each without a bias and with a float32 or a bf16 one."""
     biases = ((False, False), (True, False), (True, True))  # (has_bias, bias_bf16)
     rows = [W4Epilogue(None, has_bias=b, bias_bf16=b16, rows_bf16=bf16) for b, b16 in biases for bf16 in (False, True)]
     return rows + [W4Epilogue(act, has_bias=b, bias_bf16=b16) for act in GATED for b, b16 in biases]
@@ -703,6 +703,10 @@ def _w4a16(epilogue: W4Epilogue, tok: int):
 # Rows per expert (P / E) from which 32-row m-tiles beat 16-row ones: at gpt-oss's shapes 16-row tiles were
 # 15-17% faster at 8 rows per expert, 32-row ones 17-20% faster at 16 and 1.4x at 32 (bench/NOTES.md v57).
 W4A16_TOK32_ROWS = 12
+
+
+# A gated bias [E, 2 n_out] as the kernel reads it: (gate-to-up stride, column stride) by the gate layout.
+_W4_GATE_STRIDES = {"concat": lambda n_out: (n_out, 1), "interleaved": lambda n_out: (1, 2)}
 
 
 def choose_w4a16_tok(p: int, num_experts: int) -> int:
@@ -730,9 +734,8 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
     if tok is not None and tok not in W4A16_TOKS:
         raise ValueError(f"tok={tok!r}; allowed: None, {', '.join(map(str, W4A16_TOKS))}")
     kind = "rows" if activation is None else "gate_up"
-    gate_strides = {"concat": lambda n_out: (n_out, 1), "interleaved": lambda n_out: (1, 2)}
-    if kind == "gate_up" and bias is not None and gate_layout not in gate_strides:
-        raise ValueError(f"gate_layout={gate_layout!r} with a bias and an activation; allowed: {', '.join(map(repr, gate_strides))}")
+    if kind == "gate_up" and bias is not None and gate_layout not in _W4_GATE_STRIDES:
+        raise ValueError(f"gate_layout={gate_layout!r} with a bias and an activation; allowed: {', '.join(map(repr, _W4_GATE_STRIDES))}")
     rows_bf16 = activation is None and out_dtype == torch.bfloat16
     bias_bf16 = isinstance(bias, torch.Tensor) and bias.dtype == torch.bfloat16
     epi = W4Epilogue(activation, alpha, limit, bias is not None, rows_bf16, bias_bf16)  # ValueError for an unknown activation
@@ -778,7 +781,7 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
     _launch(
         fn, a.device, _ptr(packed), _ptr(a), _ptr(offsets), _ptr(out), _ptr(bias if bias is not None else offsets),
         *_int32(num_experts, n_out, k, p, num_sms(a.device.index), math.prod(packed.shape[1:-1])),
-        *_int32(*(gate_strides[gate_layout](n_out) if kind == "gate_up" and bias is not None else (0, 0))),
+        *_int32(*(_W4_GATE_STRIDES[gate_layout](n_out) if kind == "gate_up" and bias is not None else (0, 0))),
     )  # fmt: skip
     return out
 

@@ -174,7 +174,7 @@ class W4a16GroupedSm90:
         n_tiles = (n_out + self.cols - 1) // self.cols
         k_tiles = (k + KT - 1) // KT
         # Expert e's chunks start at chunk e * expert_chunks (>= n_tiles * k_tiles: weights tiled at load time pad
-        # each expert to a whole number of [N, B] bytes, w4a16_pack.tiled_bytes).
+        # each expert to a whole number of [N, B] bytes, w4a16_pack.tiled_chunks).
         mW = cute.make_tensor(w_ptr, cute.make_layout((e_num * expert_chunks * BOX, ROW_W), stride=(ROW_W, 1)))
         mA = cute.make_tensor(a_ptr, cute.make_layout((p, k), stride=(k, 1)))
         mOff = cute.make_tensor(off_ptr, cute.make_layout((e_num + 1,)))
