@@ -188,8 +188,9 @@ def test_tiled_errors(rng):
 
 
 def test_gate_up_rejects_a_tiled_format_of_other_gates(rng):
-    """The fused gate_up op: tiles pair gate and up rows by one gate layout; an activation reading the other raises."""
-    from lowering.fused_ops import check_gate_up_args
+    """The fused gate_up op on tiled weights: opcheck (fake impl included); tiles pair gate and up rows by one gate
+    layout, and an activation reading the other raises."""
+    from lowering.fused_ops import check_gate_up_args, gate_up
 
     act, w13, w2, config = _layer(True, rng)
     t13, _, _ = tile_mxfp4_weights(w13, w2, config, interleaved=True)
@@ -202,6 +203,7 @@ def test_gate_up_rejects_a_tiled_format_of_other_gates(rng):
         out_dtype=torch.bfloat16,
     )  # fmt: skip
     check_gate_up_args(**args)
+    torch.library.opcheck(gate_up, tuple(args.values()))
     with pytest.raises(ValueError, match="needs a gate_up format with concat gates"):
         check_gate_up_args(**{**args, "interleaved": False})
     with pytest.raises(ValueError, match="needs no tiled format"):
@@ -252,3 +254,22 @@ def test_cuda_tiling_equals_the_torch_tiler(w_dtype, e, n, k, rng):
     want = tiled.tile(codes, scales, w_dtype)
     got = tiled.tile(codes.cuda(), scales.cuda(), w_dtype)
     assert got.shape == want.shape and torch.equal(got.cpu(), want)
+
+
+def test_down_reduce_opcheck_on_tiled_weights(rng):
+    """The fused down_reduce op on mxfp4_tiled_rows weights (fake impl included), and a gate_up format refused there."""
+    from lowering.fused_ops import check_down_reduce_args, down_reduce
+
+    _, w13, w2, config = _layer(True, rng)
+    _, t2, _ = tile_mxfp4_weights(w13, w2, config, interleaved=True)
+    ids = random_ids(3, 2, 6)
+    offsets, _, inverse = routing_plan(ids, 6, None)
+    args = dict(
+        a=torch.randn(6, 160, generator=rng).bfloat16(), a_scale=None, a_global_scale=None, a_dtype="none", a_group=[-1, -1],
+        w=t2, w_scale=None, w_global_scale=None, w_zero=None, w_dtype="mxfp4_tiled_rows", w_group=[1, 32],
+        bias=config.w2_bias.bfloat16(), expert_offsets=offsets, topk_weights=torch.rand(3, 2, generator=rng), inverse=inverse,
+        out_dtype=torch.bfloat16,
+    )  # fmt: skip
+    torch.library.opcheck(down_reduce, tuple(args.values()))
+    with pytest.raises(ValueError, match="GEMM2's tiled weights are 'mxfp4_tiled_rows'"):
+        check_down_reduce_args(**{**args, "w_dtype": "mxfp4_tiled_gate_up"})
