@@ -700,9 +700,10 @@ def _w4a16(epilogue: W4Epilogue, tok: int):
     return cc.get(f"w4a16_grouped:{epilogue}:tok{tok}", lambda: (W4a16GroupedSm90(epilogue, tok), w4a16_compile_args(epilogue)))
 
 
-# Rows per expert (P / E) from which 32-row m-tiles beat 16-row ones: at gpt-oss's shapes 16-row tiles were
-# 15-17% faster at 8 rows per expert, 32-row ones 17-20% faster at 16 and 1.4x at 32 (bench/NOTES.md v57).
-W4A16_TOK32_ROWS = 12
+# Rows per expert (P / E) from which each m-tile is the fastest, largest first. At gpt-oss's shapes on an H200
+# (bench/NOTES.md v57): 16-row tiles 15-17% faster than 32 at 8 rows per expert, 32-row 17-20% faster at 16 and
+# 1.4x at 32; 64-row 4% faster than 32 at 32 rows per expert, 1.2x at 64 and 1.27x at 128, 30% slower at 16.
+W4A16_TOK_FROM_ROWS = ((64, 32), (32, 12))
 
 
 # A gated bias [E, 2 n_out] as the kernel reads it: (gate-to-up stride, column stride) by the gate layout.
@@ -710,9 +711,12 @@ _W4_GATE_STRIDES = {"concat": lambda n_out: (n_out, 1), "interleaved": lambda n_
 
 
 def choose_w4a16_tok(p: int, num_experts: int) -> int:
-    """The w4a16 kernel's m-tile for P grouped rows over E experts (host ints: no sync): 32 rows where experts
-    average W4A16_TOK32_ROWS or more (the decode, paid per m-tile, then halves), else 16."""
-    return 32 if p >= W4A16_TOK32_ROWS * max(1, num_experts) else 16
+    """The w4a16 kernel's m-tile for P grouped rows over E experts (host ints: no sync): the largest of
+    W4A16_TOK_FROM_ROWS whose rows per expert the average P / E reaches (the decode is paid once per m-tile), else 16."""
+    for tok, rows in W4A16_TOK_FROM_ROWS:
+        if p >= rows * max(1, num_experts):
+            return tok
+    return 16
 
 
 def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = None, alpha: float = 1.702,
@@ -728,7 +732,7 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
     a GATED activation: returns bf16 [P, n / 2] = act(gate, up) of the sums (+ bias [E, n], its gate and up
     halves as gate_layout says: "concat" or "interleaved"). Biases float32 or bf16, read as they are and added in
     float32. Rows past offsets[E] are not written. out: the result's tensor, or None for a new one. tok: the
-    m-tile's rows (16 or 32; None: choose_w4a16_tok)."""
+    m-tile's rows (16, 32 or 64; None: choose_w4a16_tok)."""
     if activation is None and out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype: got {out_dtype}; allowed without an activation: torch.float32, torch.bfloat16")
     if tok is not None and tok not in W4A16_TOKS:

@@ -4,9 +4,9 @@
 
 A [P, K] bf16 holds each expert's rows contiguously (offsets [E + 1], the routing plan's); W comes packed by
 w4a16_pack.py (one chunk per (expert, tile, k-tile of 128)). The weights stream through shared memory once per
-m-tile of A (16 or 32 rows: `tok`), and each consumer thread decodes its own words into register-A WGMMA
+m-tile of A (16, 32 or 64 rows: `tok`), and each consumer thread decodes its own words into register-A WGMMA
 fragments (swapped operands: 64 weight rows on WGMMA's M side, the m-tile on its N side), so no decoded weight
-is ever stored. The decode is the kernel's cost and is paid once per m-tile: 32-row m-tiles halve it where
+is ever stored. The decode is the kernel's cost and is paid once per m-tile: larger m-tiles divide it where
 experts hold that many rows.
 At small M this reads 4.25 bits per weight where the bf16 kernels read 16.
 
@@ -14,7 +14,7 @@ Work: units (expert, m-tile, tile), expert by expert, handed out round-robin ove
 one CTA per SM. A unit's expert comes from a binary search over a per-CTA prefix sum of units per expert (warp
 0 scans with shuffles), not a walk over every expert: at M = 1 the walk over 128 experts, one dependent
 shared-memory load each, took half of GEMM2's time (branch wip/w4a16, bench/NOTES.md v54). Warpgroup 0's
-first warp loads (TMA) each k-tile's weight chunk and the unit's rows of A into a ring of STAGES; two
+first warp loads (TMA) each k-tile's weight chunk and the unit's rows of A into a ring of stages; two
 consumer warpgroups decode and multiply 64 weight rows each. Rows of an m-tile past its expert (the next
 expert's, or zeros past P) are multiplied and not stored.
 
@@ -49,13 +49,15 @@ from .moe_gemm import GATED, READS, _gated
 from .w4a16_pack import CODE_WORDS, GROUPS, KT, MAG_MASK, MAG_SHIFT, SIGN_MASK, SIGN_SHIFT, TILE_ROWS, WORDS
 
 BF16 = cutlass.BFloat16
-TOKS = (16, 32)  # rows of A per m-tile (WGMMA's N), a variant: interface.choose_w4a16_tok
+TOKS = (16, 32, 64)  # rows of A per m-tile (WGMMA's N), a variant: interface.choose_w4a16_tok
 KB = KT // 16  # WGMMA k-blocks per k-tile
 CHUNK = WORDS * 4  # bytes of one (expert, tile, k-tile) chunk
 ROW_W = 128  # the chunk as a TMA box of BOX rows of ROW_W bytes (a box has at most 256 rows)
 BOX = CHUNK // ROW_W
 assert CHUNK % ROW_W == 0 and BOX <= 256
-STAGES = 12  # 150 KB of ring at 16 rows (198 KB at 32): deeper rings measured no faster (branch wip/w4a16)
+# Ring stages by m-tile rows: 150 KB at 16 rows, 198 KB at 32, 196 KB at 64 (deeper rings measured no faster at 16:
+# branch wip/w4a16; 64 rows fit shared memory with 8).
+STAGES_BY_TOK = {16: 12, 32: 12, 64: 8}
 CONSUMERS = 2  # warpgroups, 64 weight rows each
 THREADS = 128 * (1 + CONSUMERS)
 # The offsets and the units' prefix sum live in shared memory (one round of global loads per CTA).
@@ -158,6 +160,7 @@ class W4a16GroupedSm90:
         self.epi = epilogue
         self.tok = tok
         self.stage_bytes = CHUNK + tok * KT * 2
+        self.stages = STAGES_BY_TOK[tok]
         self.gated = epilogue.activation is not None
         self.cols = GATE_COLS if self.gated else TILE_ROWS  # output columns per tile
 
@@ -190,14 +193,14 @@ class W4a16GroupedSm90:
             tiler_mn=(64, self.tok), a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
         atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, BF16, 64), BF16)
-        sA_layout = cute.tile_to_shape(atom, (self.tok, KT, STAGES), order=(0, 1, 2))
+        sA_layout = cute.tile_to_shape(atom, (self.tok, KT, self.stages), order=(0, 1, 2))
         tma_a, gA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(sA_layout, (None, None, 0)), (self.tok, KT))
-        sW_layout = cute.make_layout((BOX, ROW_W, STAGES), stride=(ROW_W, 1, CHUNK))
+        sW_layout = cute.make_layout((BOX, ROW_W, self.stages), stride=(ROW_W, 1, CHUNK))
         tma_w, gW = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW, cute.make_layout((BOX, ROW_W), stride=(ROW_W, 1)), (BOX, ROW_W))
 
         @cute.struct
         class Storage:
-            bar: cute.struct.MemRange[cutlass.Int64, STAGES * 2]
+            bar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             off: cute.struct.MemRange[Int32, MAX_EXPERTS + 1]
             cum: cute.struct.MemRange[Int32, MAX_EXPERTS + 1]
             up: cute.struct.MemRange[Float32, 128 * (self.tok // 2) if self.gated else 1]
@@ -243,7 +246,7 @@ class W4a16GroupedSm90:
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         storage = SmemAllocator().allocate(self.storage)
         pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.bar.data_ptr(), num_stages=STAGES,
+            barrier_storage=storage.bar.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * CONSUMERS),
             tx_count=self.stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True,
@@ -283,7 +286,7 @@ class W4a16GroupedSm90:
             if warp_idx == 0:
                 gW = cute.local_tile(gW_full, (BOX, ROW_W), (None, None))
                 tWs, tWg = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 u = Int32(bidx)
                 while u < units:
                     e, tile, row0, _ = self.unit_place(sCum, sOff, u, e_num, n_tiles)
@@ -315,8 +318,8 @@ class W4a16GroupedSm90:
         acc = cute.make_rmem_tensor(tCcC.shape, Float32)
         sW32 = cute.recast_tensor(sW, Int32)
         sUp = storage.up.get_tensor(cute.make_layout((128, self.tok // 2)))
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-        done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)  # the next stage to release
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)  # the next stage to release
         bias = cute.make_rmem_tensor((2, cute.size(acc)), Float32)  # (gate or row, up) of each accumulator element
         u = Int32(bidx)
         while u < units:

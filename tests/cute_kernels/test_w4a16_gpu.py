@@ -66,7 +66,7 @@ COUNTS = [[1, 0, 0, 0], [3, 0, 17, 1, 0, 40, 2, 9], [0, 0, 130, 0, 7, 0, 0, 33]]
 @pytest.mark.parametrize("counts", COUNTS, ids=["M1", "ragged", "empty-experts"])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("n,k", [(200, 320), (256, 2880)])
-@pytest.mark.parametrize("tok", [16, 32])
+@pytest.mark.parametrize("tok", [16, 32, 64])
 def test_rows_against_float64(iface, counts, with_bias, n, k, tok):
     from cute_kernels import w4a16_pack as wp
 
@@ -86,7 +86,7 @@ def test_rows_against_float64(iface, counts, with_bias, n, k, tok):
 
 @pytest.mark.parametrize("activation", GATED)
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])
-@pytest.mark.parametrize("bias_dtype,tok", [(torch.float32, 16), (torch.bfloat16, 32)])
+@pytest.mark.parametrize("bias_dtype,tok", [(torch.float32, 16), (torch.bfloat16, 32), (torch.bfloat16, 64)])
 def test_gated_against_float64(iface, activation, layout, bias_dtype, tok):
     """GEMM1 with its activation in the epilogue: bf16 act(gate + b_gate, up + b_up) of the float64 sums, the bias
     read as the layer holds it ([E, 2I] in the gate layout, float32 or bf16)."""
@@ -159,7 +159,7 @@ def test_cuda_graph_replays_on_new_rows(iface):
 @pytest.mark.parametrize("m", [1, 16, 1024])
 def test_gpt_oss_shapes(iface, m):
     """gpt-oss-120b's expert GEMMs (E = 128, top-4, H = I = 2880): GEMM1 with swigluoai on interleaved gate/up rows
-    and biases, then GEMM2 with its bias, on a routing of m tokens (1024: 32 rows per expert, 32-row m-tiles)."""
+    and biases, then GEMM2 with its bias, on a routing of m tokens (1024: 32 rows per expert, 64-row m-tiles)."""
     from cute_kernels import w4a16_pack as wp
 
     e, top_k, hidden, inter = 128, 4, 2880, 2880
