@@ -109,15 +109,12 @@ def tile(codes: torch.Tensor, scales: torch.Tensor, w_dtype: str) -> torch.Tenso
         return wp.tile_mxfp4_experts(codes, scales, kind=kind, gate_layout=gate_layout)
     from ..w4_pack_kernel import pack_slots  # Triton: imported where it runs
 
-    e, n, k = wp.check_experts(codes, scales, kind, gate_layout)
-    s, b = wp.tiled_chunks(kind, n, k)
-    out = torch.zeros((e, s, wp.WORDS), dtype=torch.int32, device=codes.device)
-    for start in range(0, e, _TILE_STEP):
-        idx = torch.arange(start, min(e, start + _TILE_STEP), dtype=torch.int32, device=codes.device)
-        rows = torch.arange(idx.shape[0] + 1, dtype=torch.int32, device=codes.device)  # every slot in use: all packed
-        packed = pack_slots(codes, scales, idx, rows, kind=kind, gate_layout=gate_layout).flatten(1, 2)
-        out[start : start + idx.shape[0], : packed.shape[1]] = packed
-    return out.view(torch.uint8).view(e, n, b)
+    def pack(lo: int, hi: int) -> torch.Tensor:
+        idx = torch.arange(lo, hi, dtype=torch.int32, device=codes.device)
+        rows = torch.arange(hi - lo + 1, dtype=torch.int32, device=codes.device)  # every slot in use: all packed
+        return pack_slots(codes, scales, idx, rows, kind=kind, gate_layout=gate_layout)
+
+    return wp.tile_mxfp4_experts(codes, scales, kind=kind, gate_layout=gate_layout, pack=pack, step=_TILE_STEP)
 
 
 def dequantize(w: torch.Tensor, w_dtype: str, k: int) -> torch.Tensor:
