@@ -2,7 +2,7 @@
 shapes (E = 128, top-4, H = I = 2880), mxfp4 weights packed once, in CUDA graphs of GRAPH_CALLS launches.
 
 For M tokens (default 1, 16, 128; random top-4 routing, each expert's rows contiguous as the routing plan leaves them):
-GEMM1 (2I x H, swigluoai on interleaved gate/up rows, biases, bf16 out), GEMM2 (H x I, bias, float32 out), and
+GEMM1 (2I x H, its rows gathered from the M tokens in the kernel, swigluoai on interleaved gate/up rows, biases, bf16 out), GEMM2 (H x I, bias, float32 out), and
 the packed bytes each reads (active experts only) over its time; beside them torch.sum over the same number of
 bytes in one buffer (a read that does nothing else). Prints µs per launch (median of ROUNDS graph replays), for
 each m-tile of --tok (default: the interface's rule).
@@ -51,7 +51,8 @@ def main() -> None:
         offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0))).int()
         active = int((counts > 0).sum())
         p = m * TOP_K
-        x = torch.randn(p, H, device=dev).bfloat16()
+        gather = (torch.sort(ids.flatten(), stable=True).indices // TOP_K).int()  # the plan's: pairs grouped by expert
+        x = torch.randn(m, H, device=dev).bfloat16()
         h = torch.empty(p, I, device=dev, dtype=torch.bfloat16)
         y = torch.empty(p, H, device=dev)
         bytes1 = active * p13[0].numel() * 4
@@ -60,7 +61,8 @@ def main() -> None:
         t_sum = graph_time(lambda: flat.sum())
         for tok in args.tok:  # one routing for every m-tile compared
             t1 = graph_time(lambda: interface.w4a16_grouped_gemm(
-                x, p13, offsets, n=2 * I, activation="swigluoai", bias=b13, gate_layout="interleaved", out=h, tok=tok))
+                x, p13, offsets, n=2 * I, activation="swigluoai", bias=b13, gate_layout="interleaved", out=h, tok=tok,
+                gather=gather))
             t2 = graph_time(lambda: interface.w4a16_grouped_gemm(h, p2, offsets, n=H, bias=b2, out=y, tok=tok))
             tok = interface.choose_w4a16_tok(p, E) if tok is None else tok
             print(f"| {m} | {tok} | {active} | {t1:.1f} | {bytes1 / t1 / 1e6:.2f} | {t2:.1f} | {bytes2 / t2 / 1e6:.2f} | {t_sum:.1f} |", flush=True)

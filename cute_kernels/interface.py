@@ -17,9 +17,10 @@ and w_scale (per weight row or per expert), applied to the accumulators; out_dty
 Each 128-element k-tile's fp8 products are added to fp32 accumulators (MoeGemmSm90's promotion), so
 the error does not grow with K as the tensor cores' own fp8 accumulation's does.
 
-w4a16_grouped_gemm(a [P, K] bf16, packed, offsets, n, activation, bias) -> [P, n] float32 or [P, n / 2] bf16
+w4a16_grouped_gemm(a [P, K] bf16, packed, offsets, n, activation, bias, gather) -> [P, n] float32 or [P, n / 2] bf16
     The grouped GEMM with mxfp4 experts packed by w4a16_pack.pack_mxfp4_experts (w4a16_grouped.py): a's
-    rows already grouped by expert; the activation (gate_up tiles) in the epilogue.
+    rows grouped by expert, or with an activation (gate_up tiles, in the epilogue) a [M, K] tokens gathered
+    in the kernel (gather [P]).
 """
 from __future__ import annotations
 
@@ -692,12 +693,28 @@ def w4a16_compile_args(epilogue: W4Epilogue) -> tuple:
     out = cutlass.BFloat16 if epilogue.activation is not None or epilogue.rows_bf16 else cutlass.Float32
     bias = cutlass.BFloat16 if epilogue.bias_bf16 else cutlass.Float32
     # the packed words as bytes: the kernel's TMA box is counted in bytes (w4a16_grouped.ROW_W)
-    ptrs = (cc.fake_ptr(cutlass.Uint8), cc.fake_ptr(cutlass.BFloat16), cc.fake_ptr(cutlass.Int32), cc.fake_ptr(out), cc.fake_ptr(bias))
-    return (*ptrs, *[Int32(128)] * 8, cc.fake_stream())
+    ptrs = (cc.fake_ptr(cutlass.Uint8), cc.fake_ptr(cutlass.BFloat16), cc.fake_ptr(cutlass.Int32), cc.fake_ptr(out), cc.fake_ptr(bias),
+            cc.fake_ptr(cutlass.Int32))  # fmt: skip
+    return (*ptrs, *[Int32(128)] * 9, cc.fake_stream())
 
 
-def _w4a16(epilogue: W4Epilogue, tok: int):
-    return cc.get(f"w4a16_grouped:{epilogue}:tok{tok}", lambda: (W4a16GroupedSm90(epilogue, tok), w4a16_compile_args(epilogue)))
+def _w4a16(epilogue: W4Epilogue, tok: int, gather: bool = False):
+    return cc.get(
+        f"w4a16_grouped:{epilogue}:tok{tok}" + (":gather" if gather else ""),
+        lambda: (W4a16GroupedSm90(epilogue, tok, gather), w4a16_compile_args(epilogue)),
+    )
+
+
+# GEMM1 gathers its rows in the kernel (cp.async) while P <= W4A16_GATHER_ROWS_PER_EXPERT * E; above, a torch
+# index_select writes the grouped rows and the kernel reads them by TMA. gpt-oss's layer on an H200 (bench/NOTES.md
+# v58): in the kernel 51.9 -> 50.1 µs at M = 1 (P = 4), 294 -> 277 at M = 16 (P = 64); but 671 -> 702 at M = 128
+# (P = 512) and 4.7-5.7% slower at M = 1024 and 4096, where the cp.async rows cost more than the copy they save.
+W4A16_GATHER_ROWS_PER_EXPERT = 1
+
+
+def w4a16_gathers_in_kernel(p: int, num_experts: int) -> bool:
+    """Whether GEMM1 gathers its P rows in the kernel (host ints: no sync); see W4A16_GATHER_ROWS_PER_EXPERT."""
+    return p <= W4A16_GATHER_ROWS_PER_EXPERT * max(1, num_experts)
 
 
 # Rows per expert (P / E) from which each m-tile is the fastest, largest first. At gpt-oss's shapes on an H200
@@ -721,10 +738,14 @@ def choose_w4a16_tok(p: int, num_experts: int) -> int:
 
 def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = None, alpha: float = 1.702,
                        limit: float = 7.0, bias=None, gate_layout: str | None = None, out=None,
-                       out_dtype=torch.float32, tok: int | None = None) -> torch.Tensor:  # fmt: skip
+                       out_dtype=torch.float32, tok: int | None = None, gather=None,
+                       gather_in_kernel: bool | None = None) -> torch.Tensor:  # fmt: skip
     """The grouped GEMM of bf16 rows with mxfp4 experts (w4a16_grouped.py).
 
     a [P, K] bf16: each expert's rows contiguous, expert e's at offsets[e]:offsets[e + 1] (int32 [E + 1]);
+    or, with gather (int32 [P], an activation only: GEMM1), the tokens a [M, K], grouped row r being
+    a[gather[r]] (gather_in_kernel: read so by the kernel, or else copied by torch first; None:
+    w4a16_gathers_in_kernel's rule);
     packed: pack_mxfp4_experts(codes [E, n, K/2], scales, kind="rows" when activation is None, else "gate_up"),
     int32 [E, tiles, k_tiles, WORDS], or weights tiled at load time as int32 [E, S, WORDS] (S >= tiles * k_tiles
     chunks per expert, the first tiles * k_tiles of them read: w4a16_pack.tiled_chunks).
@@ -746,8 +767,11 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
     if not isinstance(a, torch.Tensor):
         raise TypeError(f"a: expected a tensor, got {type(a).__name__}")
     if a.dim() != 2:
-        raise ValueError(f"a: shape {list(a.shape)}; expected [P, K]")
-    p, k = a.shape
+        raise ValueError(f"a: shape {list(a.shape)}; expected [P, K]" + (" or, with gather, [M, K]" if kind == "gate_up" else ""))
+    if gather is not None and kind != "gate_up":
+        raise ValueError("gather: given without an activation; only GEMM1 (a gated activation) gathers its rows")
+    _check_tensors(gather=(gather, (None,), _INDEX))
+    p, k = a.shape if gather is None else (gather.shape[0], a.shape[1])
     if k < w4_pack.GROUP or k % w4_pack.GROUP:
         raise ValueError(f"a: K = {k}; the mxfp4 weights want a positive multiple of {w4_pack.GROUP}")
     if not isinstance(n, int) or n <= 0 or (kind == "gate_up" and n % 2):
@@ -768,23 +792,30 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
     else:
         packed_shape = (num_experts, tiles, k_tiles, w4_pack.WORDS)
     _check_tensors(
-        a=(a, (p, k), (torch.bfloat16,)),
+        a=(a, (p if gather is None else None, k), (torch.bfloat16,)),
         packed=(packed, packed_shape, (torch.int32,)),
         offsets=(offsets, (None,), _INDEX),
         bias=(bias, bias_shape, (torch.float32, torch.bfloat16)),
         out=(out, (p, n_out), (out_dtype,)),
+        gather=(gather, (p,), _INDEX),
     )  # fmt: skip
     _check_support(device_support(a.device))
-    _check_aligned(a=a, packed=packed, offsets=offsets, bias=bias, out=out)
-    _int32(p * k, p * n_out, packed.numel())
+    _check_aligned(a=a, packed=packed, offsets=offsets, bias=bias, out=out, gather=gather)
+    _int32(p * k, a.numel(), p * n_out, packed.numel())
     out = torch.empty((p, n_out), dtype=out_dtype, device=a.device) if out is None else out
     if p == 0:
         return out
     tok = choose_w4a16_tok(p, num_experts) if tok is None else tok
-    fn = _w4a16(epi, tok)
+    if gather is not None:
+        if gather_in_kernel is None:
+            gather_in_kernel = w4a16_gathers_in_kernel(p, num_experts)
+        if not gather_in_kernel:
+            a, gather = a.index_select(0, gather), None
+    fn = _w4a16(epi, tok, gather is not None)
     _launch(
         fn, a.device, _ptr(packed), _ptr(a), _ptr(offsets), _ptr(out), _ptr(bias if bias is not None else offsets),
-        *_int32(num_experts, n_out, k, p, num_sms(a.device.index), math.prod(packed.shape[1:-1])),
+        _ptr(gather if gather is not None else offsets),
+        *_int32(num_experts, n_out, k, p, a.shape[0], num_sms(a.device.index), math.prod(packed.shape[1:-1])),
         *_int32(*(_W4_GATE_STRIDES[gate_layout](n_out) if kind == "gate_up" and bias is not None else (0, 0))),
     )  # fmt: skip
     return out

@@ -16,7 +16,12 @@ one CTA per SM. A unit's expert comes from a binary search over a per-CTA prefix
 shared-memory load each, took half of GEMM2's time (branch wip/w4a16, bench/NOTES.md v54). Warpgroup 0's
 first warp loads (TMA) each k-tile's weight chunk and the unit's rows of A into a ring of stages; two
 consumer warpgroups decode and multiply 64 weight rows each. Rows of an m-tile past its expert (the next
-expert's, or zeros past P) are multiplied and not stored.
+expert's, or zeros past P) are multiplied and not stored. The gather variant (GEMM1 only) reads grouped row r
+from the tokens' row A[g[r]] instead: all of warpgroup 0 copies the rows in 16-byte cp.async chunks (rows past
+the expert zero-filled) on a second pipeline, so the layer writes no gathered copy of its tokens.
+
+The kernel launches as a programmatic dependent (PDL) of the one before (the routing plan, or GEMM1) and waits
+(griddepcontrol.wait) before its first global read, so its launch and prologue overlap that kernel's tail.
 
 Epilogue, by the tile kind the weights were packed as:
 - "rows" (activation None): C [P, N] float32 (or bf16, rows_bf16) = the sums (+ bias [E, N]);
@@ -46,7 +51,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from .moe_gemm import GATED, READS, _gated
-from .w4a16_pack import CODE_WORDS, GROUPS, KT, MAG_MASK, MAG_SHIFT, SIGN_MASK, SIGN_SHIFT, TILE_ROWS, WORDS
+from .w4a16_pack import CODE_WORDS, GROUP, GROUPS, KT, MAG_MASK, MAG_SHIFT, SIGN_MASK, SIGN_SHIFT, TILE_ROWS, WORDS
 
 BF16 = cutlass.BFloat16
 TOKS = (16, 32, 64)  # rows of A per m-tile (WGMMA's N), a variant: interface.choose_w4a16_tok
@@ -63,6 +68,7 @@ THREADS = 128 * (1 + CONSUMERS)
 # The offsets and the units' prefix sum live in shared memory (one round of global loads per CTA).
 MAX_EXPERTS = 1024
 GATE_COLS = TILE_ROWS // 2  # output columns per "gate_up" tile
+A_CHUNKS = KT * 2 // 16  # 16-byte chunks of a k-tile's row of A
 
 SIGN = SIGN_MASK - (1 << 32)  # as a signed 32-bit immediate
 MAG = MAG_MASK
@@ -154,32 +160,41 @@ def decode_word_any(q, m1, m2):
 class W4a16GroupedSm90:
     """See the module docstring. Compile with __call__'s argument types (interface.w4a16_compile_args)."""
 
-    def __init__(self, epilogue: W4Epilogue, tok: int = 16):
+    def __init__(self, epilogue: W4Epilogue, tok: int = 16, gather: bool = False):
         if tok not in TOKS:
             raise ValueError(f"W4a16GroupedSm90: tok={tok!r}; allowed: {TOKS}")
+        if gather and epilogue.activation is None:
+            raise ValueError("W4a16GroupedSm90: gather=True needs a gated activation (GEMM1); the rows kind reads grouped rows")
         self.epi = epilogue
         self.tok = tok
-        self.stage_bytes = CHUNK + tok * KT * 2
-        self.stages = STAGES_BY_TOK[tok]
         self.gated = epilogue.activation is not None
+        self.gather = gather
+        # The TMA bytes a stage's barrier waits for: the weights' chunk, and without gather its A tile (gathered rows
+        # come by cp.async, on a pipeline of their own).
+        self.stage_bytes = CHUNK + (0 if gather else tok * KT * 2)
+        self.stages = STAGES_BY_TOK[tok]
         self.cols = GATE_COLS if self.gated else TILE_ROWS  # output columns per tile
 
     @cute.jit
     def __call__(self, w_ptr: cute.Pointer, a_ptr: cute.Pointer, off_ptr: cute.Pointer, c_ptr: cute.Pointer,
-                 b_ptr: cute.Pointer, e_num: Int32, n_out: Int32, k: Int32, p: Int32, num_sms: Int32,
-                 expert_chunks: Int32, b_gate_stride: Int32, b_col_stride: Int32, stream: cuda.CUstream):  # fmt: skip
+                 b_ptr: cute.Pointer, g_ptr: cute.Pointer, e_num: Int32, n_out: Int32, k: Int32, p: Int32, a_rows: Int32,
+                 num_sms: Int32, expert_chunks: Int32, b_gate_stride: Int32, b_col_stride: Int32, stream: cuda.CUstream):  # fmt: skip
         if const_expr(w_ptr.dtype.width != 8 or a_ptr.dtype != BF16):
             # A wider pointer would make the weights' TMA box (BOX x ROW_W elements) larger than the stage's
             # bytes the barrier waits for: a hang, not an error.
             raise TypeError(f"W4a16GroupedSm90: w_ptr must point to bytes (got {w_ptr.dtype}) and a_ptr BFloat16 (got {a_ptr.dtype})")
         if const_expr(self.epi.has_bias and b_ptr.dtype != (BF16 if self.epi.bias_bf16 else Float32)):
             raise TypeError(f"W4a16GroupedSm90: b_ptr {b_ptr.dtype} for {self.epi}")
+        k = cute.assume(k, divby=GROUP)  # the interface checks it: each row of A starts 16-byte aligned (cp.async)
         n_tiles = (n_out + self.cols - 1) // self.cols
         k_tiles = (k + KT - 1) // KT
         # Expert e's chunks start at chunk e * expert_chunks (>= n_tiles * k_tiles: weights tiled at load time pad
         # each expert to a whole number of [N, B] bytes, w4a16_pack.tiled_chunks).
         mW = cute.make_tensor(w_ptr, cute.make_layout((e_num * expert_chunks * BOX, ROW_W), stride=(ROW_W, 1)))
-        mA = cute.make_tensor(a_ptr, cute.make_layout((p, k), stride=(k, 1)))
+        # gather: A is the tokens [a_rows, K], grouped row r read from A[g[r]] by cp.async; else A holds the grouped
+        # rows [P, K], read by TMA (g_ptr unread).
+        mA = cute.make_tensor(a_ptr, cute.make_layout((a_rows if self.gather else p, k), stride=(k, 1)))
+        mG = cute.make_tensor(g_ptr, cute.make_layout((p,)))
         mOff = cute.make_tensor(off_ptr, cute.make_layout((e_num + 1,)))
         mC = cute.make_tensor(c_ptr, cute.make_layout((p, n_out), stride=(n_out, 1)))
         if const_expr(self.gated):
@@ -194,6 +209,7 @@ class W4a16GroupedSm90:
         )  # fmt: skip
         atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, BF16, 64), BF16)
         sA_layout = cute.tile_to_shape(atom, (self.tok, KT, self.stages), order=(0, 1, 2))
+        # (Unused with gather.)
         tma_a, gA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(sA_layout, (None, None, 0)), (self.tok, KT))
         sW_layout = cute.make_layout((BOX, ROW_W, self.stages), stride=(ROW_W, 1, CHUNK))
         tma_w, gW = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW, cute.make_layout((BOX, ROW_W), stride=(ROW_W, 1)), (BOX, ROW_W))
@@ -201,6 +217,7 @@ class W4a16GroupedSm90:
         @cute.struct
         class Storage:
             bar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            bar_a: cute.struct.MemRange[cutlass.Int64, self.stages * 2 if self.gather else 1]
             off: cute.struct.MemRange[Int32, MAX_EXPERTS + 1]
             cum: cute.struct.MemRange[Int32, MAX_EXPERTS + 1]
             up: cute.struct.MemRange[Float32, 128 * (self.tok // 2) if self.gated else 1]
@@ -208,9 +225,10 @@ class W4a16GroupedSm90:
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(sW_layout)], 1024]
 
         self.storage = Storage
-        self.kernel(tiled_mma, tma_w, gW, tma_a, gA, mOff, mC, mB, sA_layout, sW_layout, n_tiles, k_tiles, expert_chunks).launch(
-            grid=[num_sms, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream
-        )
+        self.kernel(tiled_mma, tma_w, gW, tma_a, gA, mA, mG, mOff, mC, mB, sA_layout, sW_layout, n_tiles, k_tiles,
+                    expert_chunks).launch(
+            grid=[num_sms, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream, use_pdl=True
+        )  # fmt: skip
 
     @cute.jit
     def expert_of(self, sCum: cute.Tensor, u: Int32, e_num: Int32) -> Int32:
@@ -236,9 +254,10 @@ class W4a16GroupedSm90:
         return e, tile, row0, sOff[e + 1] - row0
 
     @cute.kernel
-    def kernel(self, tiled_mma: cute.TiledMma, tma_w: cute.CopyAtom, gW_full: cute.Tensor, tma_a: cute.CopyAtom,
-               gA_full: cute.Tensor, mOff: cute.Tensor, mC: cute.Tensor, mB: cute.Tensor, sA_layout: cute.ComposedLayout,
-               sW_layout: cute.Layout, n_tiles: Int32, k_tiles: Int32, expert_chunks: Int32):  # fmt: skip
+    def kernel(self, tiled_mma: cute.TiledMma, tma_w: cute.CopyAtom, gW_full: cute.Tensor, tma_a: cute.CopyAtom, gA_full: cute.Tensor,
+               mA: cute.Tensor, mG: cute.Tensor, mOff: cute.Tensor, mC: cute.Tensor, mB: cute.Tensor,
+               sA_layout: cute.ComposedLayout, sW_layout: cute.Layout, n_tiles: Int32, k_tiles: Int32,
+               expert_chunks: Int32):  # fmt: skip
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid = cute.arch.grid_dim()[0]
@@ -251,7 +270,19 @@ class W4a16GroupedSm90:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * CONSUMERS),
             tx_count=self.stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True,
         )  # fmt: skip
+        pipe_a = None
+        if const_expr(self.gather):
+            pipe_a = pipeline.PipelineCpAsync.create(
+                barrier_storage=storage.bar_a.data_ptr(), num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * CONSUMERS), defer_sync=True,
+            )  # fmt: skip
         cute.arch.mbarrier_init_fence()
+        # Launched as a programmatic dependent (PDL) of the kernel before (the routing plan, or GEMM1): its launch
+        # and this prologue overlap that kernel's end. Every global read comes after the wait, which returns once
+        # that kernel is complete; letting the next kernel launch then only queues its CTAs behind this one's.
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
         e_num = mOff.shape[0] - 1
         sOff = storage.off.get_tensor(cute.make_layout((MAX_EXPERTS + 1,)))
         for i in range(tidx, e_num + 1, THREADS):
@@ -283,7 +314,10 @@ class W4a16GroupedSm90:
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sW = storage.sW.get_tensor(sW_layout)
         if wg_idx == 0:
-            if warp_idx == 0:
+            if const_expr(self.gather):
+                self.produce_gathered(tma_w, gW_full, sW, pipe, pipe_a, mA, mG, sA, sCum, sOff, e_num, units,
+                                      n_tiles, k_tiles, expert_chunks, tidx, warp_idx, bidx, grid)  # fmt: skip
+            elif warp_idx == 0:
                 gW = cute.local_tile(gW_full, (BOX, ROW_W), (None, None))
                 tWs, tWg = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -301,10 +335,60 @@ class W4a16GroupedSm90:
                     u += grid
                 pipe.producer_tail(state)
         else:
-            self.consume(tiled_mma, pipe, sA, sW, sCum, sOff, storage, mC, mB, e_num, units, n_tiles, k_tiles, tidx, wg_idx, bidx, grid)
+            self.consume(tiled_mma, pipe, pipe_a, sA, sW, sCum, sOff, storage, mC, mB, e_num, units, n_tiles, k_tiles, tidx, wg_idx, bidx, grid)
 
     @cute.jit
-    def consume(self, tiled_mma, pipe, sA, sW, sCum, sOff, storage, mC, mB, e_num, units, n_tiles, k_tiles, tidx, wg_idx, bidx, grid):
+    def produce_gathered(self, tma_w, gW_full, sW, pipe, pipe_a, mA, mG, sA, sCum, sOff, e_num, units, n_tiles,
+                         k_tiles, expert_chunks, tidx, warp_idx, bidx, grid):  # fmt: skip
+        """The producer warpgroup with gather: warp 0 loads the weights' chunks (TMA, as without) and all 128
+        threads copy the unit's rows of A, each from its token's row A[g[r]], in 16-byte cp.async chunks:
+        thread t copies chunk t % 16 of rows t // 16 + 8 i. Rows past the expert, and chunks past K, are zero-filled
+        (source size 0), so no gathered copy of the activations is ever written to memory."""
+        copy_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BF16, num_bits_per_copy=128)
+        tiled_copy = cute.make_tiled_copy_tv(copy_atom, cute.make_layout((8, A_CHUNKS), stride=(A_CHUNKS, 1)), cute.make_layout((1, 8)))
+        tAsA = tiled_copy.get_slice(tidx).partition_D(sA)  # ((8), tok / 8, 1, stages)
+        chunk = tidx % A_CHUNKS
+        row_in = tidx // A_CHUNKS
+        per_thread = self.tok // 8
+        k_chunks = mA.shape[1] // 8
+        src = cute.make_rmem_tensor(per_thread, Int32)
+        # One predicate for the 8 elements of a chunk (stride 0).
+        live = cute.make_rmem_tensor(cute.make_layout(((8,), 1), stride=((0,), 0)), cutlass.Boolean)
+        gW = cute.local_tile(gW_full, (BOX, ROW_W), (None, None))
+        tWs, tWg = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        u = Int32(bidx)
+        while u < units:
+            e, tile, row0, rows_left = self.unit_place(sCum, sOff, u, e_num, n_tiles)
+            dead = Int32(0)  # bit i: this thread's row i is past the expert
+            for i in cutlass.range_constexpr(per_thread):
+                r = row_in + 8 * i
+                src[i] = 0
+                if r >= rows_left:
+                    dead = dead | (1 << i)
+                else:
+                    src[i] = mG[row0 + r]
+            for kt in range(k_tiles):
+                if warp_idx == 0:
+                    pipe.producer_acquire(state)
+                    bar = pipe.producer_get_barrier(state)
+                    cute.copy(tma_w, tWg[(None, e * expert_chunks + tile * k_tiles + kt, 0)], tWs[(None, state.index)], tma_bar_ptr=bar)
+                pipe_a.producer_acquire(state)
+                past_k = Int32(cutlass.select_(kt * A_CHUNKS + chunk >= k_chunks, 1, 0))
+                for i in cutlass.range_constexpr(per_thread):
+                    live[0] = ((dead >> i) | past_k) & 1 == 0
+                    g_chunk = cute.local_tile(mA[src[i], None], (8,), (kt * A_CHUNKS + chunk,))
+                    cute.copy(copy_atom, g_chunk, tAsA[(None, i, 0, state.index)], pred=live)
+                pipe_a.producer_commit(state)
+                state.advance()
+            u += grid
+        # producer_tail advances the state it is given: each pipeline's tail starts from the same state.
+        if warp_idx == 0:
+            pipe.producer_tail(state.clone())
+        pipe_a.producer_tail(state)
+
+    @cute.jit
+    def consume(self, tiled_mma, pipe, pipe_a, sA, sW, sCum, sOff, storage, mC, mB, e_num, units, n_tiles, k_tiles, tidx, wg_idx, bidx, grid):
         ctid = tidx - 128 * wg_idx
         wg = wg_idx - 1  # the tile's 64-row half this warpgroup multiplies
         lane = ctid % 32
@@ -330,6 +414,8 @@ class W4a16GroupedSm90:
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             for kt in range(k_tiles):
                 pipe.consumer_wait(state)
+                if const_expr(self.gather):
+                    pipe_a.consumer_wait(state)
                 words = cute.make_rmem_tensor((2, GROUPS), Int32)
                 sw = cute.make_rmem_tensor((2,), Int32)
                 for h in cutlass.range_constexpr(2):
@@ -345,7 +431,7 @@ class W4a16GroupedSm90:
                 # 5-7% slower: branch wip/w4a16.)
                 warpgroup.wait_group(0)
                 if kt > 0:
-                    pipe.consumer_release(done)
+                    self.release(pipe, pipe_a, done)
                     done.advance()
                 if cute.arch.vote_any_sync(((sw[0] | sw[1]) & Int32(0x80808080 - (1 << 32))) != 0):
                     for h in cutlass.range_constexpr(2):
@@ -362,10 +448,16 @@ class W4a16GroupedSm90:
                 warpgroup.commit_group()
             warpgroup.wait_group(0)
             if k_tiles > 0:
-                pipe.consumer_release(done)
+                self.release(pipe, pipe_a, done)
                 done.advance()
             self.epilogue(acc, tCcC, sUp, mC, bias, e, tile, row0, rows_left, n_out, ctid, wg)
             u += grid
+
+    @cute.jit
+    def release(self, pipe, pipe_a, state):
+        pipe.consumer_release(state)
+        if const_expr(self.gather):
+            pipe_a.consumer_release(state)
 
     @cute.jit
     def load_biases(self, bias, tCcC, mB, e, tile, n_out, wg):

@@ -8,8 +8,9 @@ wrote it in bf16 and read that again (36 bits moved per weight against 4.25). Th
 layout (cute_kernels/w4a16_pack.py): weights tiled at load time (quant/tiled.py, tile_mxfp4_weights) are read as
 they are; for codes and scales as stored, each call re-lays the experts in use (w4_pack_kernel.py, one Triton
 launch per GEMM: the 4.25 bits read, 4.25 written), as the decoding path decodes them: ~12.75 bits moved per
-weight. GEMM1's rows are gathered by torch (x[gather]) and GEMM2's rows
-summed per token by the bf16 layer's token sum kernel. Same numerics as the decoding path: exact decoded
+weight. GEMM1 reads x through the plan's gather (in the kernel at decode sizes, else by a torch copy:
+interface.w4a16_gathers_in_kernel) and GEMM2's rows are summed per token by the bf16 layer's token sum kernel;
+the kernels launch as programmatic dependents of the one before (PDL). Same numerics as the decoding path: exact decoded
 weights, float32 sums, h rounded to bf16.
 """
 from __future__ import annotations
@@ -63,8 +64,8 @@ def gate_up(interface, *, x, w, w_scale, w_dtype, bias, expert_offsets, gather_i
         packed = pack_slots(w, w_scale, idx, offsets, kind="gate_up", gate_layout=gate_layout)
         b = None if bias is None else _bias(bias.index_select(0, idx))
     return interface.w4a16_grouped_gemm(
-        x.index_select(0, gather_idx), packed, offsets, n=w.shape[1], activation=activation, alpha=alpha, limit=limit,
-        bias=b, gate_layout=gate_layout,
+        x.contiguous(), packed, offsets, n=w.shape[1], activation=activation, alpha=alpha, limit=limit, bias=b,
+        gate_layout=gate_layout, gather=gather_idx,
     )  # fmt: skip
 
 

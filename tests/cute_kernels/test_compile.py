@@ -175,26 +175,43 @@ def test_moe_gemm_variant(variant, tmp_path):
         _check_resources(_ptxas(ptx, tmp_path))
 
 
+# Every w4a16 variant: each epilogue reading grouped rows by TMA, and each gated one (GEMM1) gathering its rows.
+W4_VARIANTS = [(epi, False) for epi in interface.w4a16_variants()] + [(epi, True) for epi in interface.w4a16_variants() if epi.activation]
+
+
 @pytest.mark.parametrize("tok", w4.TOKS)
-@pytest.mark.parametrize("epilogue", interface.w4a16_variants(), ids=str)
-def test_w4a16_variant(epilogue, tok, tmp_path):
-    """The w4a16 grouped GEMM: the weights' chunk and the rows by 2-D TMA, register-A WGMMA on bf16 (weights on
-    M: m64n{tok}k16), KB per k-tile, the decode's bf16x2 multiplies (one per output register; two with a scale
-    above 2^1), bf16 stores after an activation, float32 ones otherwise; no local memory or spills."""
-    kernel = w4.W4a16GroupedSm90(epilogue, tok)
+@pytest.mark.parametrize("epilogue,gather", W4_VARIANTS, ids=lambda v: str(v) if not isinstance(v, bool) else f"gather={v}")
+def test_w4a16_variant(epilogue, gather, tok, tmp_path):
+    """The w4a16 grouped GEMM: the weights' chunk by 2-D TMA; the rows by 2-D TMA, or with gather in 16-byte
+    cp.async chunks, zero-filled past the expert; register-A WGMMA on bf16 (weights
+    on M: m64n{tok}k16), KB per k-tile, the decode's bf16x2 multiplies (one per output register; two with a scale
+    above 2^1), bf16 stores after an activation, float32 ones otherwise; no local memory or spills; launched as a
+    programmatic dependent, with no global access before griddepcontrol.wait."""
+    kernel = w4.W4a16GroupedSm90(epilogue, tok, gather)
     ptx = _compile(kernel, interface.w4a16_compile_args(epilogue), tmp_path)
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 [^;]*;", ptx)
     assert len(wgmma) == w4.KB and set(wgmma) == {str(tok)}  # WGMMA's N is the m-tile's rows
     # register A: the operand after the accumulators is a brace list of 4 registers, not a descriptor
     assert all(re.search(r"\}, \{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", m) for m in re.findall(r"wgmma\.mma_async[^;]*;", ptx))
-    assert ptx.count("cp.async.bulk.tensor.2d.shared::cta.global") >= 2  # the weights' chunk, the rows (the loop unrolled)
+    tma_loads = ptx.count("cp.async.bulk.tensor.2d.shared::cta.global")
+    gathers = re.findall(r"cp\.async\.cg\.shared\.global(?:\.L2::\w+)? \[[^\]]+\], \[[^\]]+\], 16, %r\d+;", ptx)
+    if gather:
+        # the weights' chunk by TMA; A's rows in 16-byte chunks with a source size (0: zero-filled), tok / 8 per
+        # thread and k-tile (the k-loop unrolled: a multiple)
+        assert tma_loads >= 1 and gathers and len(gathers) % (tok // 8) == 0, (tma_loads, len(gathers))
+        assert "cp.async.mbarrier.arrive.noinc.shared" in ptx
+    else:
+        assert tma_loads >= 2 and not gathers  # the weights' chunk, the rows (the loop unrolled)
     assert ptx.count("mul.rn.bf16x2") == 4 * 2 * w4.GROUPS * 3  # fast path: 1 per register; any scale: 2
     assert ptx.count("vote.sync.any.pred") >= 1
     stores = set(re.findall(r"st\.global\.[\w.]+", ptx))
     assert stores == ({"st.global.b16"} if epilogue.activation or epilogue.rows_bf16 else {"st.global.b32"}), stores
     if epilogue.activation:
         assert re.search(r"bar\.sync\s+1, 256;", ptx) and re.search(r"bar\.sync\s+2, 256;", ptx)
-    assert ".local" not in ptx and "griddepcontrol" not in ptx  # an ordinary launch, not a programmatic dependent
+    assert ".local" not in ptx
+    before, _ = split_at_wait(ptx)
+    assert not touches_global(before), "a global access before griddepcontrol.wait"
+    assert "griddepcontrol.launch_dependents" in ptx
     assert kernel.storage.size_in_bytes() <= SMEM_CAPACITY
     if shutil.which("ptxas"):
         _check_resources(_ptxas(ptx, tmp_path))

@@ -1,5 +1,5 @@
 """The w4a16 grouped GEMM (cute_kernels/w4a16_grouped.py) on a Hopper GPU against float64 of the decoded mxfp4
-weights, on fresh random codes, scales and rows: both tile kinds, every gated activation, biases, empty experts,
+weights, on fresh random codes, scales and rows: both tile kinds, every gated activation, gathered rows, biases, empty experts,
 N and K off the tile sizes, scales above 2^1 and NaN, CUDA-graph capture, gpt-oss's shapes.
 
 Outputs are poisoned with NaN first, so an element the kernel fails to write fails the test.
@@ -111,6 +111,38 @@ def test_gated_against_float64(iface, activation, layout, bias_dtype, tok):
     assert (err <= 8e-3 * want.abs() + 1e-3 * want.abs().max()).all(), (activation, layout, err.max())
 
 
+def routed(m, counts):
+    """int32 [P] gather of a routing with these rows per expert: each grouped row's source token in [0, m), tokens
+    repeated and in no order (as a plan's gather is, grouped by expert)."""
+    return torch.randint(0, m, (int(sum(counts)),), dtype=torch.int32, device="cuda")
+
+
+@pytest.mark.parametrize("counts", COUNTS, ids=["M1", "ragged", "empty-experts"])
+@pytest.mark.parametrize("k", [320, 2880])
+@pytest.mark.parametrize("tok", [16, 32, 64])
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["in-kernel", "index-select"])
+def test_gathered_against_float64(iface, counts, k, tok, in_kernel):
+    """GEMM1 reading its rows from the tokens through gather (cp.async in the kernel, or torch's index_select
+    and TMA): the result of the grouped rows x[gather], K off the 128-column k-tile (chunks past K zero-filled),
+    rows past each expert not written."""
+    from cute_kernels import w4a16_pack as wp
+
+    e, inter, m = len(counts), 96, 7
+    codes, scales = mxfp4(e, 2 * inter, k)
+    offsets = offsets_for(counts)
+    gather = routed(m, counts)
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    bias = torch.randn(e, 2 * inter, device="cuda").bfloat16()
+    packed = wp.pack_mxfp4_experts(codes, scales, kind="gate_up", gate_layout="concat")
+    out = torch.full((gather.shape[0], inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+    iface.w4a16_grouped_gemm(x, packed, offsets, n=2 * inter, activation="silu", bias=bias, gate_layout="concat",
+                             out=out, tok=tok, gather=gather, gather_in_kernel=in_kernel)  # fmt: skip
+    sums, _ = grouped_sums(x[gather.long()], decode64(codes, scales), offsets, bias)
+    want = act64(sums, "silu", False)
+    err = (out.double() - want).abs()
+    assert (err <= 8e-3 * want.abs() + 1e-3 * want.abs().max()).all(), err.max()
+
+
 def test_scales_above_two_and_nan(iface):
     """Scales above 2^1 (e8m0 129..160) take the second multiply; a weight row with a NaN scale (255) gives a NaN
     column and leaves every other column exact."""
@@ -130,6 +162,43 @@ def test_scales_above_two_and_nan(iface):
     assert (out.isnan() == nan_col).all()
     ok = ~nan_col
     assert ((out.double() - want).abs()[ok] <= 1e-5 * bound[ok]).all()
+
+
+def test_cuda_graph_gemm1_then_gemm2(iface):
+    """GEMM1 (gathering) then GEMM2 captured in one CUDA graph, each launched as a programmatic dependent of the
+    kernel before it: GEMM2 must read GEMM1's complete output on every replay, on new tokens."""
+    from cute_kernels import w4a16_pack as wp
+
+    counts = COUNTS[1]
+    e, hidden, inter, m = len(counts), 256, 192, 19
+    c13, s13 = mxfp4(e, 2 * inter, hidden)
+    c2, s2 = mxfp4(e, hidden, inter)
+    p13 = wp.pack_mxfp4_experts(c13, s13, kind="gate_up", gate_layout="concat")
+    p2 = wp.pack_mxfp4_experts(c2, s2, kind="rows")
+    offsets, gather = offsets_for(counts), routed(m, counts)
+    x = torch.randn(m, hidden, device="cuda").bfloat16()
+    h = torch.empty(gather.shape[0], inter, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(gather.shape[0], hidden, device="cuda")
+
+    def layer():
+        iface.w4a16_grouped_gemm(x, p13, offsets, n=2 * inter, activation="silu", out=h, gather=gather, gather_in_kernel=True)
+        iface.w4a16_grouped_gemm(h, p2, offsets, n=hidden, out=y)
+
+    layer()  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x, dtype=torch.float32).bfloat16())
+        h.fill_(float("nan"))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        sums, _ = grouped_sums(x[gather.long()], decode64(c13, s13), offsets)
+        want_h = act64(sums, "silu", False)
+        assert ((h.double() - want_h).abs() <= 8e-3 * want_h.abs() + 1e-3 * want_h.abs().max()).all()
+        want_y, bound = grouped_sums(h, decode64(c2, s2), offsets)  # on the kernel's own h: exact products
+        assert ((y.double() - want_y).abs() <= 1e-5 * bound).all()
 
 
 def test_cuda_graph_replays_on_new_rows(iface):
@@ -166,15 +235,16 @@ def test_gpt_oss_shapes(iface, m):
     ids = torch.stack([torch.randperm(e)[:top_k] for _ in range(m)])
     counts = torch.bincount(ids.flatten(), minlength=e).tolist()
     offsets = offsets_for(counts)
-    p = m * top_k
+    # the plan's gather: pairs grouped by expert (stable), each row the pair's token
+    gather = (torch.sort(ids.flatten(), stable=True).indices // top_k).to(device="cuda", dtype=torch.int32)
     c13, s13 = mxfp4(e, 2 * inter, hidden, 118, 122)
     c2, s2 = mxfp4(e, hidden, inter, 118, 122)
     b13, b2 = torch.randn(e, 2 * inter, device="cuda"), torch.randn(e, hidden, device="cuda").bfloat16()
-    a = torch.randn(p, hidden, device="cuda").bfloat16()
-    h = iface.w4a16_grouped_gemm(a, wp.pack_mxfp4_experts(c13, s13, kind="gate_up", gate_layout="interleaved"), offsets,
-                                 n=2 * inter, activation="swigluoai", bias=b13, gate_layout="interleaved")  # fmt: skip
+    x = torch.randn(m, hidden, device="cuda").bfloat16()
+    h = iface.w4a16_grouped_gemm(x, wp.pack_mxfp4_experts(c13, s13, kind="gate_up", gate_layout="interleaved"), offsets,
+                                 n=2 * inter, activation="swigluoai", bias=b13, gate_layout="interleaved", gather=gather)  # fmt: skip
     y = iface.w4a16_grouped_gemm(h, wp.pack_mxfp4_experts(c2, s2, kind="rows"), offsets, n=hidden, bias=b2)
-    sums, _ = grouped_sums(a, decode64(c13, s13), offsets, b13)
+    sums, _ = grouped_sums(x[gather.long()], decode64(c13, s13), offsets, b13)
     want_h = act64(sums, "swigluoai", True)
     assert ((h.double() - want_h).norm() / want_h.norm()).item() < 4e-3
     want_y, bound = grouped_sums(h, decode64(c2, s2), offsets, b2)  # GEMM2 on the kernel's own bf16 h: exact products

@@ -62,6 +62,32 @@ def test_gate_up_shapes():
         interface.w4a16_grouped_gemm(**{**args, "gate_layout": None})
 
 
+def test_gather():
+    """GEMM1 (an activation) may gather its rows: a is then the tokens [M, K] and gather the int32 [P] source row
+    of each grouped row; the rows kind never gathers."""
+    gated = _args(a=torch.zeros(3, K, dtype=torch.bfloat16), activation="silu", gather=torch.zeros(P, dtype=torch.int32))
+    with pytest.raises(ValueError, match="the kernels do not serve this call"):  # every shape accepted
+        interface.w4a16_grouped_gemm(**gated)
+    with pytest.raises(ValueError, match="gather: given without an activation"):
+        interface.w4a16_grouped_gemm(**{**gated, "activation": None})
+    with pytest.raises(TypeError, match="gather: dtype torch.int64; the kernels take torch.int32"):
+        interface.w4a16_grouped_gemm(**{**gated, "gather": torch.zeros(P, dtype=torch.int64)})
+    with pytest.raises(ValueError, match=r"gather: shape \[10, 1\]; expected \[\*\]"):
+        interface.w4a16_grouped_gemm(**{**gated, "gather": torch.zeros(P, 1, dtype=torch.int32)})
+    with pytest.raises(ValueError, match=r"out: shape \[3, 128\]; expected \[10, 128\]"):  # P rows out, not M
+        interface.w4a16_grouped_gemm(**{**gated, "out": torch.zeros(3, N // 2, dtype=torch.bfloat16)})
+
+
+def test_gather_rule():
+    """GEMM1 gathers in the kernel up to one grouped row per expert on average (decode batches), above through a
+    torch copy and TMA; only gated kernels gather."""
+    assert interface.w4a16_gathers_in_kernel(4, 128) and interface.w4a16_gathers_in_kernel(128, 128)  # gpt-oss M = 1, 32
+    assert not interface.w4a16_gathers_in_kernel(129, 128) and not interface.w4a16_gathers_in_kernel(512, 128)
+    assert interface.w4a16_gathers_in_kernel(1, 0)
+    with pytest.raises(ValueError, match="gather=True needs a gated activation"):
+        interface.W4a16GroupedSm90(interface.W4Epilogue(None), 16, gather=True)
+
+
 def test_variants_cover_every_epilogue():
     """Each gated activation, and the plain sums in float32 and bf16, each without a bias and with a float32 or a
     bf16 one."""

@@ -102,8 +102,12 @@ class ReferenceKernels:
         return formats.dequantize(codes, "mxfp4", (1, 32), scales)
 
     def w4a16_grouped_gemm(self, a, packed, offsets, *, n, activation=None, alpha=1.702, limit=7.0, bias=None,
-                           gate_layout=None, out=None, out_dtype=torch.float32):  # fmt: skip
+                           gate_layout=None, out=None, out_dtype=torch.float32, gather=None):  # fmt: skip
         assert a.dtype == torch.bfloat16 and a.is_contiguous() and offsets.shape == (packed.shape[0] + 1,)
+        assert (gather is not None) == (activation is not None), "GEMM1 gathers its rows in the kernel; GEMM2 does not"
+        if gather is not None:
+            assert gather.dtype == torch.int32 and gather.dim() == 1
+            a = a[gather.long()]
         self.calls.append(("gate_up" if activation else "down_reduce", packed.shape[0]))
         self.w4 = True
         kind = "rows" if activation is None else "gate_up"
