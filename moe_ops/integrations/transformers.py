@@ -11,7 +11,9 @@ biases (has_bias), has_gate, and its act_fn (an activation module, or torch.nn.f
 itself as LFM2-MoE holds it; or a CUSTOM_GATES class's own gating). Expert-parallel sentinel ids (>=
 num_experts) are dropped. Fine-grained fp8 checkpoints (Qwen3-FP8, DeepSeek-V3: transformers swaps
 their experts for its FP8Experts, which dispatch through FP8ExpertsInterface) run their e4m3 codes and
-square block scales as moe_ops' fp8_w8a8_block (moe_ops_fp8_experts_forward). Importing moe_ops does not
+square block scales as moe_ops' fp8_w8a8_block (moe_ops_fp8_experts_forward). quantize_experts re-stores
+float experts in a moe_ops weight scheme in place (gpt-oss, which transformers dequantizes to bf16 without
+its hub kernels, back to its checkpoint's own mxfp4 values). Importing moe_ops does not
 import transformers: the implementation is registered in each interface when its module is first
 imported (or at once if it already was).
 """
@@ -27,7 +29,7 @@ import torch
 from ..activation import Activation
 from ..expert_norm import PostExpertNorm
 from ..fused_experts import fused_experts
-from ..quant import fp8_w8a8_block
+from ..quant import QuantScheme, fp8_w8a8_block, quantize_weights, tile_mxfp4_weights
 
 NAME = "moe_ops"
 _MODULE = "transformers.integrations.moe"
@@ -150,25 +152,31 @@ def moe_ops_experts_forward(
 ) -> torch.Tensor:
     """ExpertsInterface forward: hidden_states [S, H], top_k_index [S, k], top_k_weights [S, k] -> [S, H]."""
     up = self.gate_up_proj if self.has_gate else self.up_proj
-    for name, w in (("gate_up_proj" if self.has_gate else "up_proj", up), ("down_proj", self.down_proj)):
-        if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            # A quantized checkpoint's experts (fp8 storage, say) would have their scales elsewhere: reading
-            # the codes as values would be silently wrong, and casting the input to them meaningless.
-            raise NotImplementedError(
-                f"{type(self).__name__}.{name}: dtype {w.dtype}; the moe_ops experts implementation reads float "
-                "experts (float32/float16/bfloat16), not quantized checkpoints"
-            )
-    # transformers stores transposed experts as [E, H, N]; a transposed view is [E, N, H] column-major.
-    w13 = up.transpose(1, 2) if self.is_transposed else up
-    w2 = self.down_proj.transpose(1, 2) if self.is_transposed else self.down_proj
+    config = getattr(self, QUANT_CONFIG_ATTR, None)
+    if config is not None:  # quantize_experts: row-major codes [E, N, ...], scales in the config
+        w13, w2, x = up, self.down_proj, hidden_states
+    else:
+        for name, w in (("gate_up_proj" if self.has_gate else "up_proj", up), ("down_proj", self.down_proj)):
+            if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                # A quantized checkpoint's experts (fp8 storage, say) would have their scales elsewhere: reading
+                # the codes as values would be silently wrong, and casting the input to them meaningless.
+                raise NotImplementedError(
+                    f"{type(self).__name__}.{name}: dtype {w.dtype}; the moe_ops experts implementation reads float "
+                    "experts (float32/float16/bfloat16), not quantized checkpoints (quantize_experts quantizes "
+                    "float ones)"
+                )
+        # transformers stores transposed experts as [E, H, N]; a transposed view is [E, N, H] column-major.
+        w13 = up.transpose(1, 2) if self.is_transposed else up
+        w2 = self.down_proj.transpose(1, 2) if self.is_transposed else self.down_proj
+        x = hidden_states.to(w13.dtype)
     b13 = b2 = None
     if self.has_bias:
         b13 = self.gate_up_proj_bias if self.has_gate else self.up_proj_bias
         b2 = self.down_proj_bias
     ids, expert_map = _routing(self, top_k_index)
     out = fused_experts(
-        hidden_states.to(w13.dtype), w13, w2, top_k_weights.float(), ids,
-        activation=experts_activation(self), w13_bias=b13, w2_bias=b2, expert_map=expert_map, post_expert_norm=experts_norm(self),
+        x, w13, w2, top_k_weights.float(), ids, activation=experts_activation(self), quant_config=config,
+        w13_bias=b13, w2_bias=b2, expert_map=expert_map, post_expert_norm=experts_norm(self),
     )  # fmt: skip
     return out.to(hidden_states.dtype)
 
@@ -244,6 +252,59 @@ def moe_ops_fp8_experts_forward(
 
 
 _WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+# The attribute holding a quantized experts module's moe_ops QuantConfig (quantize_experts).
+QUANT_CONFIG_ATTR = "moe_ops_quant_config"
+
+
+def _experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of each experts module of `model` built by transformers' use_experts_implementation (which
+    gives it has_gate and is_transposed)."""
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
+
+
+def quantize_experts(model: torch.nn.Module, scheme: QuantScheme, *, tile: bool | None = None) -> list[str]:
+    """Quantize, in place, the float expert weights of every experts module in `model` (those transformers'
+    ExpertsInterface dispatches) to the weight-only moe_ops `scheme`; returns the modules' names.
+
+    Each module's gate_up_proj (or up_proj) and down_proj become row-major codes [E, N, K / values per byte]
+    (whatever is_transposed says) and its QuantConfig (the scales) is held as the module's
+    `moe_ops_quant_config`: from then on it runs with experts_implementation "moe_ops" only (transformers' own
+    implementations read float weights), and the scales are not in its state_dict. Biases stay the module's
+    own parameters. Quantize on the weights' device (an mxfp4 layer is tiled there), after `.to()`.
+    tile: lay mxfp4_w4a16 weights out for the w4a16 kernels once, here (quant.tile_mxfp4_weights); None: where
+    the weights are on CUDA and the activation is gated.
+
+    gpt-oss loaded without transformers' hub kernels is dequantized by transformers to bf16; with
+    QuantScheme(None, WeightQuant("mxfp4", GroupShape(1, 32))) this restores its checkpoint's own values (a bf16
+    value decoded from mxfp4 quantizes back to itself) at 4.25 bits per weight, on the w4a16 kernels.
+    Every module is checked and quantized before any is changed (TypeError/ValueError naming the argument or the
+    module, NotImplementedError for gating moe_ops cannot compute)."""
+    if not isinstance(scheme, QuantScheme):
+        raise TypeError(f"scheme: expected a moe_ops QuantScheme, got {type(scheme).__name__}")
+    if scheme.activation is not None:
+        raise ValueError(f"scheme: {scheme.describe()} quantizes activations; quantize_experts takes weight-only schemes")
+    if scheme.tiled is not None:
+        raise ValueError(f"scheme: {scheme.describe()} is tiled; give the untiled scheme (tile= tiles it)")
+    if tile is not None and not isinstance(tile, bool):
+        raise TypeError(f"tile: expected None or a bool, got {tile!r}")
+    done = []
+    for name, module in _experts_modules(model):
+        if getattr(module, QUANT_CONFIG_ATTR, None) is not None:
+            raise ValueError(f"{name}: its experts are quantized already ({getattr(module, QUANT_CONFIG_ATTR).name})")
+        up_name = "gate_up_proj" if module.has_gate else "up_proj"
+        w13, w2 = getattr(module, up_name), module.down_proj
+        if module.is_transposed:
+            w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+        act = experts_activation(module)
+        q13, q2, config = quantize_weights(scheme, w13, w2)
+        if (q13.is_cuda and config.name == "mxfp4_w4a16" and act.gated) if tile is None else tile:
+            q13, q2, config = tile_mxfp4_weights(q13, q2, config, interleaved=act.interleaved)
+        done.append((name, module, up_name, q13, q2, config))
+    for _, module, up_name, q13, q2, config in done:
+        setattr(module, up_name, torch.nn.Parameter(q13, requires_grad=False))
+        module.down_proj = torch.nn.Parameter(q2, requires_grad=False)
+        setattr(module, QUANT_CONFIG_ATTR, config)
+    return [name for name, *_ in done]
 
 
 def row_major_experts(model: torch.nn.Module) -> list[str]:
@@ -261,8 +322,8 @@ def row_major_experts(model: torch.nn.Module) -> list[str]:
     changed = []
     with torch.no_grad():
         for name, module in model.named_modules():
-            if not getattr(module, "is_transposed", False):
-                continue
+            if not getattr(module, "is_transposed", False) or getattr(module, QUANT_CONFIG_ATTR, None) is not None:
+                continue  # (quantize_experts stores row-major codes)
             params = [p for p in (getattr(module, w, None) for w in _WEIGHTS) if isinstance(p, torch.nn.Parameter) and p.dim() == 3]
             moved = [p for p in params if not p.transpose(1, 2).is_contiguous()]
             for p in moved:
