@@ -318,8 +318,7 @@ class W4a16GroupedSm90:
                 self.produce_gathered(tma_w, gW_full, sW, pipe, pipe_a, mA, mG, sA, sCum, sOff, e_num, units,
                                       n_tiles, k_tiles, expert_chunks, tidx, warp_idx, bidx, grid)  # fmt: skip
             elif warp_idx == 0:
-                gW = cute.local_tile(gW_full, (BOX, ROW_W), (None, None))
-                tWs, tWg = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+                tWs, tWg = self.weight_chunks(tma_w, gW_full, sW)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 u = Int32(bidx)
                 while u < units:
@@ -327,15 +326,27 @@ class W4a16GroupedSm90:
                     gA = cute.local_tile(cute.domain_offset((row0, 0), gA_full), (self.tok, KT), (0, None))
                     tAs, tAg = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
                     for kt in range(k_tiles):
-                        pipe.producer_acquire(state)
-                        bar = pipe.producer_get_barrier(state)
-                        cute.copy(tma_w, tWg[(None, e * expert_chunks + tile * k_tiles + kt, 0)], tWs[(None, state.index)], tma_bar_ptr=bar)
+                        bar = self.load_chunk(pipe, state, tma_w, tWs, tWg, e * expert_chunks + tile * k_tiles + kt)
                         cute.copy(tma_a, tAg[(None, kt)], tAs[(None, state.index)], tma_bar_ptr=bar)
                         state.advance()
                     u += grid
                 pipe.producer_tail(state)
         else:
             self.consume(tiled_mma, pipe, pipe_a, sA, sW, sCum, sOff, storage, mC, mB, e_num, units, n_tiles, k_tiles, tidx, wg_idx, bidx, grid)
+
+    @cute.jit
+    def weight_chunks(self, tma_w, gW_full, sW):
+        """The weights' TMA partition: (the ring's stages, the chunks in global memory, by chunk index)."""
+        gW = cute.local_tile(gW_full, (BOX, ROW_W), (None, None))
+        return cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+
+    @cute.jit
+    def load_chunk(self, pipe, state, tma_w, tWs, tWg, chunk):
+        """Acquire the producer's stage and start its weight chunk's TMA; returns the stage's barrier."""
+        pipe.producer_acquire(state)
+        bar = pipe.producer_get_barrier(state)
+        cute.copy(tma_w, tWg[(None, chunk, 0)], tWs[(None, state.index)], tma_bar_ptr=bar)
+        return bar
 
     @cute.jit
     def produce_gathered(self, tma_w, gW_full, sW, pipe, pipe_a, mA, mG, sA, sCum, sOff, e_num, units, n_tiles,
@@ -354,8 +365,7 @@ class W4a16GroupedSm90:
         src = cute.make_rmem_tensor(per_thread, Int32)
         # One predicate for the 8 elements of a chunk (stride 0).
         live = cute.make_rmem_tensor(cute.make_layout(((8,), 1), stride=((0,), 0)), cutlass.Boolean)
-        gW = cute.local_tile(gW_full, (BOX, ROW_W), (None, None))
-        tWs, tWg = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+        tWs, tWg = self.weight_chunks(tma_w, gW_full, sW)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         u = Int32(bidx)
         while u < units:
@@ -370,9 +380,7 @@ class W4a16GroupedSm90:
                     src[i] = mG[row0 + r]
             for kt in range(k_tiles):
                 if warp_idx == 0:
-                    pipe.producer_acquire(state)
-                    bar = pipe.producer_get_barrier(state)
-                    cute.copy(tma_w, tWg[(None, e * expert_chunks + tile * k_tiles + kt, 0)], tWs[(None, state.index)], tma_bar_ptr=bar)
+                    self.load_chunk(pipe, state, tma_w, tWs, tWg, e * expert_chunks + tile * k_tiles + kt)
                 pipe_a.producer_acquire(state)
                 past_k = Int32(cutlass.select_(kt * A_CHUNKS + chunk >= k_chunks, 1, 0))
                 for i in cutlass.range_constexpr(per_thread):
