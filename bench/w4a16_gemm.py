@@ -2,7 +2,8 @@
 shapes (E = 128, top-4, H = I = 2880), mxfp4 weights packed once, in CUDA graphs of GRAPH_CALLS launches.
 
 For M tokens (default 1, 16, 128; random top-4 routing, each expert's rows contiguous as the routing plan leaves them):
-GEMM1 (2I x H, its rows gathered from the M tokens in the kernel, swigluoai on interleaved gate/up rows, biases, bf16 out), GEMM2 (H x I, bias, float32 out), and
+GEMM1 (2I x H, its rows read from the M tokens through the plan's gather: in the kernel at decode sizes, else copied
+by index_select first, as interface.w4a16_gathers_in_kernel rules; swigluoai on interleaved gate/up rows, biases, bf16 out), GEMM2 (H x I, bias, float32 out), and
 the packed bytes each reads (active experts only) over its time; beside them torch.sum over the same number of
 bytes in one buffer (a read that does nothing else). Prints µs per launch (median of ROUNDS graph replays), for
 each m-tile of --tok (default: the interface's rule).
