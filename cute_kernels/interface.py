@@ -19,8 +19,8 @@ the error does not grow with K as the tensor cores' own fp8 accumulation's does.
 
 w4a16_grouped_gemm(a [P, K] bf16, packed, offsets, n, activation, bias, gather) -> [P, n] float32 or [P, n / 2] bf16
     The grouped GEMM with mxfp4 experts packed by w4a16_pack.pack_mxfp4_experts (w4a16_grouped.py): a's
-    rows grouped by expert, or with an activation (gate_up tiles, in the epilogue) a [M, K] tokens gathered
-    in the kernel (gather [P]).
+    rows grouped by expert, or with an activation (gate_up tiles, in the epilogue) a [M, K] tokens read
+    through gather [P] (in the kernel at decode sizes, else copied by index_select: w4a16_gathers_in_kernel).
 """
 from __future__ import annotations
 
@@ -770,6 +770,10 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
         raise ValueError(f"a: shape {list(a.shape)}; expected [P, K]" + (" or, with gather, [M, K]" if kind == "gate_up" else ""))
     if gather is not None and kind != "gate_up":
         raise ValueError("gather: given without an activation; only GEMM1 (a gated activation) gathers its rows")
+    if gather_in_kernel is not None and (not isinstance(gather_in_kernel, bool) or gather is None):
+        raise (TypeError if gather is not None else ValueError)(
+            f"gather_in_kernel={gather_in_kernel!r}; allowed: None, or a bool with a gather"
+        )
     _check_tensors(gather=(gather, (None,), _INDEX))
     p, k = a.shape if gather is None else (gather.shape[0], a.shape[1])
     if k < w4_pack.GROUP or k % w4_pack.GROUP:

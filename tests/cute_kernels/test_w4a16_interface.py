@@ -74,6 +74,10 @@ def test_gather():
         interface.w4a16_grouped_gemm(**{**gated, "gather": torch.zeros(P, dtype=torch.int64)})
     with pytest.raises(ValueError, match=r"gather: shape \[10, 1\]; expected \[\*\]"):
         interface.w4a16_grouped_gemm(**{**gated, "gather": torch.zeros(P, 1, dtype=torch.int32)})
+    with pytest.raises(TypeError, match=r"gather_in_kernel='yes'; allowed: None, or a bool with a gather"):
+        interface.w4a16_grouped_gemm(**{**gated, "gather_in_kernel": "yes"})
+    with pytest.raises(ValueError, match=r"gather_in_kernel=True; allowed: None, or a bool with a gather"):
+        interface.w4a16_grouped_gemm(**{**gated, "gather": None, "a": torch.zeros(P, K, dtype=torch.bfloat16), "gather_in_kernel": True})
     with pytest.raises(ValueError, match=r"out: shape \[3, 128\]; expected \[10, 128\]"):  # P rows out, not M
         interface.w4a16_grouped_gemm(**{**gated, "out": torch.zeros(3, N // 2, dtype=torch.bfloat16)})
 
