@@ -4,7 +4,9 @@ lowering, as a transformers user runs it:
 - "moe_ops, as loaded": experts_implementation "moe_ops" on the [E, K, N] weights transformers keeps,
   which moe_ops reads as column-major views; the kernels decline them, so the fused ops run the reference;
 - "moe_ops, row_major_experts": the same after moe_ops.integrations.transformers.row_major_experts;
-- "transformers grouped_mm": transformers' own "grouped_mm" implementation, compiled without the lowering.
+- "transformers grouped_mm": transformers' own "grouped_mm" implementation, compiled without the lowering;
+- "moe_ops, quantize_experts mxfp4": after moe_ops.integrations.transformers.quantize_experts to mxfp4 (tiled
+  for the w4a16 kernels on CUDA), as for gpt-oss loaded without transformers' hub kernels (dequantized to bf16).
 µs per call in CUDA graphs of GRAPH_CALLS calls, each call its own routing (as the benchmark's "in
 graph" column), median of the replays.
 """
@@ -20,7 +22,8 @@ import transformers
 
 import lowering
 from moe_ops.bench import GRAPH_CALLS, SHAPES, capture, graph_inputs, replay_times_us
-from moe_ops.integrations.transformers import row_major_experts
+from moe_ops.integrations.transformers import quantize_experts, row_major_experts
+from moe_ops.quant import GroupShape, QuantScheme, WeightQuant
 
 SHAPE = "gpt-oss-120b"
 
@@ -80,6 +83,9 @@ def main(argv=None) -> None:
     for m in args.tokens:
         rows[m]["moe_ops, row_major_experts"] = time_us(experts, "moe_ops", True, m, args.replays)
         rows[m]["transformers grouped_mm"] = time_us(experts, "grouped_mm", False, m, args.replays)
+    print("quantize_experts:", quantize_experts(torch.nn.ModuleDict({"experts": experts}), QuantScheme(None, WeightQuant("mxfp4", GroupShape(1, 32)))))
+    for m in args.tokens:
+        rows[m]["moe_ops, quantize_experts mxfp4"] = time_us(experts, "moe_ops", True, m, args.replays)
     names = list(rows[args.tokens[0]])
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}; µs per call")
     print("| M | " + " | ".join(names) + " |")

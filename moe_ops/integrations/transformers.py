@@ -270,7 +270,8 @@ def quantize_experts(model: torch.nn.Module, scheme: QuantScheme, *, tile: bool 
     (whatever is_transposed says) and its QuantConfig (the scales) is held as the module's
     `moe_ops_quant_config`: from then on it runs with experts_implementation "moe_ops" only (transformers' own
     implementations read float weights), and the scales are not in its state_dict. Biases stay the module's
-    own parameters. Quantize on the weights' device (an mxfp4 layer is tiled there), after `.to()`.
+    own parameters. Quantize on the weights' device (an mxfp4 layer is tiled there), after any `.to()`: a later
+    `.to(device)` leaves the scales behind, and a later `.to(dtype)` casts fp8 codes (a float dtype) to values.
     tile: lay mxfp4_w4a16 weights out for the w4a16 kernels once, here (quant.tile_mxfp4_weights); None: where
     the weights are on CUDA and the activation is gated.
 
