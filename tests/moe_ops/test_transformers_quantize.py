@@ -68,16 +68,20 @@ def _logits(model, ids):
     return model(ids).logits
 
 
+def _experts_inputs(experts, seed=2, tokens=10, device="cpu"):
+    """Random bf16 hidden states [tokens, H], top-2 ids and router weights for an experts module."""
+    g = generator(seed)
+    hidden = torch.randn(tokens, experts.hidden_size if hasattr(experts, "hidden_size") else COMMON["hidden_size"], generator=g)
+    ids = torch.stack([torch.randperm(experts.num_experts, generator=g)[:2] for _ in range(tokens)])
+    return hidden.bfloat16().to(device), ids.to(device), torch.rand(tokens, 2, generator=g).to(device)
+
+
 @torch.no_grad()
 def _experts_call(experts, implementation, seed=2, tokens=10):
     """One experts module's output on random bf16 hidden states and top-2 routing, through `implementation`."""
-    g = generator(seed)
-    hidden = torch.randn(tokens, COMMON["hidden_size"], generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(experts.num_experts, generator=g)[:2] for _ in range(tokens)])
-    weights = torch.rand(tokens, 2, generator=g)
     experts.config._experts_implementation = implementation
     try:
-        return experts(hidden, ids, weights).float()
+        return experts(*_experts_inputs(experts, seed, tokens)).float()
     finally:
         experts.config._experts_implementation = "moe_ops"
 
@@ -218,3 +222,42 @@ def test_compiled_fullgraph_reads_the_codes():
     gemms = [n for n in graphs[-1].graph.nodes if n.op == "call_function" and "moe_ops.grouped_gemm" in str(n.target)]
     assert len(gemms) == 2 * len(INTEGRATION._experts_modules(model))
     assert [g.args[9] for g in gemms] == ["mxfp4"] * len(gemms)  # w_dtype: the codes, not float weights
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs a Hopper (sm_90) GPU")
+def test_on_hopper_the_tiled_experts_run_the_kernels():
+    """On CUDA quantize_experts tiles gpt-oss's mxfp4 experts (interleaved gates) by default; the module then runs the
+    w4a16 kernels, eagerly (no reference fallback) and compiled with require_kernels, and matches the same module
+    quantized on the CPU, where the reference runs it (float32 sums of the same decoded weights)."""
+    import copy
+
+    import lowering
+    from moe_ops import eager_kernels
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    cfg = transformers.GptOssConfig(hidden_size=256, intermediate_size=384, num_local_experts=8, num_experts_per_tok=2)
+    cpu = GptOssExperts(cfg).to(torch.bfloat16)
+    g = generator(10)
+    with torch.no_grad():
+        for p in cpu.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    cuda = copy.deepcopy(cpu).cuda()
+    INTEGRATION.quantize_experts(torch.nn.ModuleDict({"experts": cpu}), MXFP4)
+    INTEGRATION.quantize_experts(torch.nn.ModuleDict({"experts": cuda}), MXFP4)
+    assert cpu.moe_ops_quant_config.scheme.tiled is None and cuda.moe_ops_quant_config.scheme.tiled == "interleaved"
+    for tokens in (1, 37):
+        hidden, ids, weights = _experts_inputs(cuda, seed=11 + tokens, tokens=tokens, device="cuda")
+        act = INTEGRATION.experts_activation(cuda)
+        why = eager_kernels.why_not(hidden, cuda.gate_up_proj, cuda.down_proj, weights, act, cuda.moe_ops_quant_config,
+                                    cuda.gate_up_proj_bias, cuda.down_proj_bias)[1]  # fmt: skip
+        assert why is None, why
+        cuda.config._experts_implementation = cpu.config._experts_implementation = "moe_ops"
+        with torch.no_grad():
+            want = cpu(hidden.cpu(), ids.cpu(), weights.cpu()).float()
+            got = cuda(hidden, ids, weights)
+            torch._dynamo.reset()
+            with lowering.enabled(require_kernels=True):
+                compiled = torch.compile(cuda, fullgraph=True)(hidden, ids, weights)
+        assert relative_error(got.float().cpu(), want) <= 1e-2
+        assert torch.equal(compiled, got)
