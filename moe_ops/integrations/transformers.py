@@ -147,16 +147,28 @@ def _act_fn_kind(experts: torch.nn.Module) -> str:
     return kind
 
 
+def _up_name(experts: torch.nn.Module) -> str:
+    """The attribute holding an experts module's first projection: gate_up_proj with a gate, else up_proj."""
+    return "gate_up_proj" if experts.has_gate else "up_proj"
+
+
+def _expert_views(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13 [E, N13, H], w2 [E, H, I]) of an experts module: transformers stores transposed experts as [E, H, N],
+    whose transposed view is [E, N, H] column-major."""
+    up, down = getattr(experts, _up_name(experts)), experts.down_proj
+    return (up.transpose(1, 2), down.transpose(1, 2)) if experts.is_transposed else (up, down)
+
+
 def moe_ops_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """ExpertsInterface forward: hidden_states [S, H], top_k_index [S, k], top_k_weights [S, k] -> [S, H]."""
-    up = self.gate_up_proj if self.has_gate else self.up_proj
     config = getattr(self, QUANT_CONFIG_ATTR, None)
     if config is not None:  # quantize_experts: row-major codes [E, N, ...], scales in the config
-        w13, w2, x = up, self.down_proj, hidden_states
+        w13, w2, x = getattr(self, _up_name(self)), self.down_proj, hidden_states
     else:
-        for name, w in (("gate_up_proj" if self.has_gate else "up_proj", up), ("down_proj", self.down_proj)):
+        w13, w2 = _expert_views(self)
+        for name, w in ((_up_name(self), w13), ("down_proj", w2)):
             if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                 # A quantized checkpoint's experts (fp8 storage, say) would have their scales elsewhere: reading
                 # the codes as values would be silently wrong, and casting the input to them meaningless.
@@ -165,9 +177,6 @@ def moe_ops_experts_forward(
                     "experts (float32/float16/bfloat16), not quantized checkpoints (quantize_experts quantizes "
                     "float ones)"
                 )
-        # transformers stores transposed experts as [E, H, N]; a transposed view is [E, N, H] column-major.
-        w13 = up.transpose(1, 2) if self.is_transposed else up
-        w2 = self.down_proj.transpose(1, 2) if self.is_transposed else self.down_proj
         x = hidden_states.to(w13.dtype)
     b13 = b2 = None
     if self.has_bias:
@@ -229,7 +238,7 @@ def moe_ops_fp8_experts_forward(
     cls = type(self).__name__
     up = self.gate_up_proj if self.has_gate else self.up_proj
     up_scale = self.gate_up_proj_scale_inv if self.has_gate else self.up_proj_scale_inv
-    for name, w in (("gate_up_proj" if self.has_gate else "up_proj", up), ("down_proj", self.down_proj)):
+    for name, w in ((_up_name(self), up), ("down_proj", self.down_proj)):
         if w.dtype != torch.float8_e4m3fn:
             raise NotImplementedError(f"{cls}.{name}: dtype {w.dtype}; moe_ops runs fp8 (torch.float8_e4m3fn) experts, not fp4 ones")
     if self.activation_scheme != "dynamic":
@@ -292,15 +301,12 @@ def quantize_experts(model: torch.nn.Module, scheme: QuantScheme, *, tile: bool 
     for name, module in _experts_modules(model):
         if getattr(module, QUANT_CONFIG_ATTR, None) is not None:
             raise ValueError(f"{name}: its experts are quantized already ({getattr(module, QUANT_CONFIG_ATTR).name})")
-        up_name = "gate_up_proj" if module.has_gate else "up_proj"
-        w13, w2 = getattr(module, up_name), module.down_proj
-        if module.is_transposed:
-            w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
         act = experts_activation(module)
-        q13, q2, config = quantize_weights(scheme, w13, w2)
-        if (q13.is_cuda and config.name == "mxfp4_w4a16" and act.gated) if tile is None else tile:
+        q13, q2, config = quantize_weights(scheme, *_expert_views(module))
+        tiles = tile if tile is not None else (q13.is_cuda and config.name == "mxfp4_w4a16" and act.gated)
+        if tiles:
             q13, q2, config = tile_mxfp4_weights(q13, q2, config, interleaved=act.interleaved)
-        done.append((name, module, up_name, q13, q2, config))
+        done.append((name, module, _up_name(module), q13, q2, config))
     for _, module, up_name, q13, q2, config in done:
         setattr(module, up_name, torch.nn.Parameter(q13, requires_grad=False))
         module.down_proj = torch.nn.Parameter(q2, requires_grad=False)
