@@ -29,7 +29,7 @@ def graph_time(fn) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tok", type=int, nargs="+", default=[None], help="m-tile rows (16, 32); default: the rule")
+    parser.add_argument("--tok", type=int, nargs="+", default=[None], help="m-tile rows (16, 32, 64, 128); default: the rule")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128])
     args = parser.parse_args()
     torch.manual_seed(0)

@@ -719,8 +719,10 @@ def w4a16_gathers_in_kernel(p: int, num_experts: int) -> bool:
 
 # Rows per expert (P / E) from which each m-tile is the fastest, largest first. At gpt-oss's shapes on an H200
 # (bench/NOTES.md v57): 16-row tiles 15-17% faster than 32 at 8 rows per expert, 32-row 17-20% faster at 16 and
-# 1.4x at 32; 64-row 4% faster than 32 at 32 rows per expert, 1.2x at 64 and 1.27x at 128, 30% slower at 16.
-W4A16_TOK_FROM_ROWS = ((64, 32), (32, 12))
+# 1.4x at 32; 64-row 4% faster than 32 at 32 rows per expert, 1.2x at 64 and 1.27x at 128, 30% slower at 16;
+# 128-row (v59) 4% slower than 64 at 64 rows per expert, 1.26-1.53x faster at 96 (one m-tile where 64-row tiles
+# take two), 1.08x at 128 and 1.13-1.18x at 256.
+W4A16_TOK_FROM_ROWS = ((128, 96), (64, 32), (32, 12))
 
 
 # A gated bias [E, 2 n_out] as the kernel reads it: (gate-to-up stride, column stride) by the gate layout.
@@ -753,7 +755,7 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
     a GATED activation: returns bf16 [P, n / 2] = act(gate, up) of the sums (+ bias [E, n], its gate and up
     halves as gate_layout says: "concat" or "interleaved"). Biases float32 or bf16, read as they are and added in
     float32. Rows past offsets[E] are not written. out: the result's tensor, or None for a new one. tok: the
-    m-tile's rows (16, 32 or 64; None: choose_w4a16_tok)."""
+    m-tile's rows (16, 32, 64 or 128; None: choose_w4a16_tok)."""
     if activation is None and out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype: got {out_dtype}; allowed without an activation: torch.float32, torch.bfloat16")
     if tok is not None and tok not in W4A16_TOKS:

@@ -4,7 +4,7 @@
 
 A [P, K] bf16 holds each expert's rows contiguously (offsets [E + 1], the routing plan's); W comes packed by
 w4a16_pack.py (one chunk per (expert, tile, k-tile of 128)). The weights stream through shared memory once per
-m-tile of A (16, 32 or 64 rows: `tok`), and each consumer thread decodes its own words into register-A WGMMA
+m-tile of A (16, 32, 64 or 128 rows: `tok`), and each consumer thread decodes its own words into register-A WGMMA
 fragments (swapped operands: 64 weight rows on WGMMA's M side, the m-tile on its N side), so no decoded weight
 is ever stored. The decode is the kernel's cost and is paid once per m-tile: larger m-tiles divide it where
 experts hold that many rows.
@@ -54,15 +54,15 @@ from .moe_gemm import GATED, READS, _gated
 from .w4a16_pack import CODE_WORDS, GROUP, GROUPS, KT, MAG_MASK, MAG_SHIFT, SIGN_MASK, SIGN_SHIFT, TILE_ROWS, WORDS
 
 BF16 = cutlass.BFloat16
-TOKS = (16, 32, 64)  # rows of A per m-tile (WGMMA's N), a variant: interface.choose_w4a16_tok
+TOKS = (16, 32, 64, 128)  # rows of A per m-tile (WGMMA's N), a variant: interface.choose_w4a16_tok
 KB = KT // 16  # WGMMA k-blocks per k-tile
 CHUNK = WORDS * 4  # bytes of one (expert, tile, k-tile) chunk
 ROW_W = 128  # the chunk as a TMA box of BOX rows of ROW_W bytes (a box has at most 256 rows)
 BOX = CHUNK // ROW_W
 assert CHUNK % ROW_W == 0 and BOX <= 256
-# Ring stages by m-tile rows: 150 KB at 16 rows, 198 KB at 32, 196 KB at 64 (deeper rings measured no faster at 16:
-# branch wip/w4a16; 64 rows fit shared memory with 8).
-STAGES_BY_TOK = {16: 12, 32: 12, 64: 8}
+# Ring stages by m-tile rows: 150 KB at 16 rows, 198 KB at 32, 196 KB at 64, 162 KB at 128 (deeper rings measured no
+# faster at 16: branch wip/w4a16; 64 and 128 rows fill shared memory with 8 and 4 beside the gated up sums).
+STAGES_BY_TOK = {16: 12, 32: 12, 64: 8, 128: 4}
 CONSUMERS = 2  # warpgroups, 64 weight rows each
 THREADS = 128 * (1 + CONSUMERS)
 # The offsets and the units' prefix sum live in shared memory (one round of global loads per CTA).
@@ -72,6 +72,13 @@ A_CHUNKS = KT * 2 // 16  # 16-byte chunks of a k-tile's row of A
 
 SIGN = SIGN_MASK - (1 << 32)  # as a signed 32-bit immediate
 MAG = MAG_MASK
+# A thread's WGMMA accumulators (m64nNk16) are ((2, 2, N / 8)): element i lies on weight row row_slot(i) of its two
+# rows (lane / 4 and that + 8 of its warp's 16), so a value per weight row (a bias) is held twice, not per element.
+ROW_SLOTS = 2
+
+
+def row_slot(i: int) -> int:
+    return i // 2 % ROW_SLOTS
 
 
 @dataclass(frozen=True)
@@ -412,7 +419,8 @@ class W4a16GroupedSm90:
         sUp = storage.up.get_tensor(cute.make_layout((128, self.tok // 2)))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)  # the next stage to release
-        bias = cute.make_rmem_tensor((2, cute.size(acc)), Float32)  # (gate or row, up) of each accumulator element
+        assert cute.shape(tCcC) == ((2, ROW_SLOTS, self.tok // 8), 1, 1), cute.shape(tCcC)  # what row_slot assumes
+        bias = cute.make_rmem_tensor((2, ROW_SLOTS), Float32)  # (gate or row, up) of this thread's two weight rows
         u = Int32(bidx)
         while u < units:
             e, tile, row0, rows_left = self.unit_place(sCum, sOff, u, e_num, n_tiles)
@@ -471,18 +479,21 @@ class W4a16GroupedSm90:
     def load_biases(self, bias, tCcC, mB, e, tile, n_out, wg):
         """The unit's biases of this thread's accumulator elements in float32, loaded before its k-loop so that
         their latency hides under it: loaded in the epilogue, once per unit, it cost ~9% of gpt-oss's biased layer
-        at M = 128 (bench/NOTES.md v56). Gated: warpgroup 0 only, which applies the activation."""
-        for i in cutlass.range_constexpr(cute.size(tCcC)):
+        at M = 128 (bench/NOTES.md v56). Gated: warpgroup 0 only, which applies the activation. One value per
+        weight row the thread's accumulators cover (row_slot), read at the first element on that row."""
+        for j in cutlass.range_constexpr(ROW_SLOTS):
+            i = j * 2
+            assert row_slot(i) == j
             mrow, _ = tCcC[i]
             if const_expr(self.gated):
                 col = tile * GATE_COLS + mrow
                 if (wg == 0) & (col < n_out):
-                    bias[0, i] = mB[e, 0, col].to(Float32)
-                    bias[1, i] = mB[e, 1, col].to(Float32)
+                    bias[0, j] = mB[e, 0, col].to(Float32)
+                    bias[1, j] = mB[e, 1, col].to(Float32)
             else:
                 col = tile * TILE_ROWS + wg * 64 + mrow
                 if col < n_out:
-                    bias[0, i] = mB[e, col].to(Float32)
+                    bias[0, j] = mB[e, col].to(Float32)
 
     @cute.jit
     def put(self, a32, h, g, regs):
@@ -512,8 +523,8 @@ class W4a16GroupedSm90:
                         g = acc[i]
                         up = sUp[ctid, i]
                         if const_expr(self.epi.has_bias):
-                            g = g + bias[0, i]
-                            up = up + bias[1, i]
+                            g = g + bias[0, row_slot(i)]
+                            up = up + bias[1, row_slot(i)]
                         mC[row0 + c, col] = _gated(self.epi.activation, g, up, self.epi.alpha, self.epi.limit).to(BF16)
         else:
             for i in cutlass.range_constexpr(cute.size(acc)):
@@ -522,5 +533,5 @@ class W4a16GroupedSm90:
                 if (c < rows_left) & (col < n_out):
                     v = acc[i]
                     if const_expr(self.epi.has_bias):
-                        v = v + bias[0, i]
+                        v = v + bias[0, row_slot(i)]
                     mC[row0 + c, col] = v.to(mC.element_type)

@@ -66,7 +66,7 @@ COUNTS = [[1, 0, 0, 0], [3, 0, 17, 1, 0, 40, 2, 9], [0, 0, 130, 0, 7, 0, 0, 33]]
 @pytest.mark.parametrize("counts", COUNTS, ids=["M1", "ragged", "empty-experts"])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("n,k", [(200, 320), (256, 2880)])
-@pytest.mark.parametrize("tok", [16, 32, 64])
+@pytest.mark.parametrize("tok", [16, 32, 64, 128])
 def test_rows_against_float64(iface, counts, with_bias, n, k, tok):
     from cute_kernels import w4a16_pack as wp
 
@@ -86,7 +86,7 @@ def test_rows_against_float64(iface, counts, with_bias, n, k, tok):
 
 @pytest.mark.parametrize("activation", GATED)
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])
-@pytest.mark.parametrize("bias_dtype,tok", [(torch.float32, 16), (torch.bfloat16, 32), (torch.bfloat16, 64)])
+@pytest.mark.parametrize("bias_dtype,tok", [(torch.float32, 16), (torch.bfloat16, 32), (torch.bfloat16, 64), (torch.float32, 128)])
 def test_gated_against_float64(iface, activation, layout, bias_dtype, tok):
     """GEMM1 with its activation in the epilogue: bf16 act(gate + b_gate, up + b_up) of the float64 sums, the bias
     read as the layer holds it ([E, 2I] in the gate layout, float32 or bf16)."""
@@ -119,7 +119,7 @@ def routed(m, counts):
 
 @pytest.mark.parametrize("counts", COUNTS, ids=["M1", "ragged", "empty-experts"])
 @pytest.mark.parametrize("k", [320, 2880])
-@pytest.mark.parametrize("tok", [16, 32, 64])
+@pytest.mark.parametrize("tok", [16, 32, 64, 128])
 @pytest.mark.parametrize("in_kernel", [True, False], ids=["in-kernel", "index-select"])
 def test_gathered_against_float64(iface, counts, k, tok, in_kernel):
     """GEMM1 reading its rows from the tokens through gather (cp.async in the kernel, or torch's index_select

@@ -40,7 +40,7 @@ def _args(**change):
         (dict(bias=torch.zeros(E, 2, N // 2)), ValueError, r"bias: shape \[4, 2, 128\]; expected \[4, 256\]"),
         (dict(out=torch.zeros(P, N, dtype=torch.bfloat16)), TypeError, "out: dtype torch.bfloat16; the kernels take torch.float32"),
         (dict(offsets=torch.zeros(1100, dtype=torch.int32)), ValueError, "offsets: 1099 experts"),
-        (dict(tok=128), ValueError, "tok=128; allowed: None, 16, 32, 64"),
+        (dict(tok=256), ValueError, "tok=256; allowed: None, 16, 32, 64, 128"),
         ({}, ValueError, "the kernels do not serve this call: cpu: the kernels run on CUDA GPUs"),
     ],
 )
@@ -107,7 +107,10 @@ def test_bias_dtype_needs_a_bias():
 
 
 def test_m_tile_rule():
-    """64-row m-tiles from 32 rows per expert on average (P / E), 32-row from 12, 16 below; E = 0 counts as one expert."""
+    """128-row m-tiles from 96 rows per expert on average (P / E), 64-row from 32, 32-row from 12, 16 below; E = 0
+    counts as one expert."""
+    assert interface.choose_w4a16_tok(12288, 128) == 128  # gpt-oss M = 3072, top-4
+    assert interface.choose_w4a16_tok(12287, 128) == 64
     assert interface.choose_w4a16_tok(4096, 128) == 64  # gpt-oss M = 1024, top-4
     assert interface.choose_w4a16_tok(4095, 128) == 32
     assert interface.choose_w4a16_tok(1536, 128) == 32
