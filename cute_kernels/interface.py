@@ -720,9 +720,9 @@ def w4a16_gathers_in_kernel(p: int, num_experts: int) -> bool:
 # Rows per expert (P / E) from which each m-tile is the fastest, largest first. At gpt-oss's shapes on an H200
 # (bench/NOTES.md v57): 16-row tiles 15-17% faster than 32 at 8 rows per expert, 32-row 17-20% faster at 16 and
 # 1.4x at 32; 64-row 4% faster than 32 at 32 rows per expert, 1.2x at 64 and 1.27x at 128, 30% slower at 16;
-# 128-row (v59) 4% slower than 64 at 64 rows per expert, 1.26-1.53x faster at 96 (one m-tile where 64-row tiles
-# take two), 1.08x at 128 and 1.13-1.18x at 256.
-W4A16_TOK_FROM_ROWS = ((128, 96), (64, 32), (32, 12))
+# 128-row (v59) 4% slower than 64 at 64 rows per expert, 1.16-1.18x faster at 72 and 1.26-1.53x at 80-96 (one
+# m-tile where 64-row tiles take two), 1.08x at 128 and 1.13-1.18x at 256.
+W4A16_TOK_FROM_ROWS = ((128, 68), (64, 32), (32, 12))
 
 
 # A gated bias [E, 2 n_out] as the kernel reads it: (gate-to-up stride, column stride) by the gate layout.

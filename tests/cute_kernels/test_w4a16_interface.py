@@ -107,10 +107,10 @@ def test_bias_dtype_needs_a_bias():
 
 
 def test_m_tile_rule():
-    """128-row m-tiles from 96 rows per expert on average (P / E), 64-row from 32, 32-row from 12, 16 below; E = 0
+    """128-row m-tiles from 68 rows per expert on average (P / E), 64-row from 32, 32-row from 12, 16 below; E = 0
     counts as one expert."""
-    assert interface.choose_w4a16_tok(12288, 128) == 128  # gpt-oss M = 3072, top-4
-    assert interface.choose_w4a16_tok(12287, 128) == 64
+    assert interface.choose_w4a16_tok(68 * 128, 128) == 128  # gpt-oss M = 2176, top-4
+    assert interface.choose_w4a16_tok(68 * 128 - 1, 128) == 64
     assert interface.choose_w4a16_tok(4096, 128) == 64  # gpt-oss M = 1024, top-4
     assert interface.choose_w4a16_tok(4095, 128) == 32
     assert interface.choose_w4a16_tok(1536, 128) == 32
