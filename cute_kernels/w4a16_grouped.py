@@ -482,9 +482,7 @@ class W4a16GroupedSm90:
         at M = 128 (bench/NOTES.md v56). Gated: warpgroup 0 only, which applies the activation. One value per
         weight row the thread's accumulators cover (row_slot), read at the first element on that row."""
         for j in cutlass.range_constexpr(ROW_SLOTS):
-            i = j * 2
-            assert row_slot(i) == j
-            mrow, _ = tCcC[i]
+            mrow, _ = tCcC[2 * j]  # row_slot(2 j) = j
             if const_expr(self.gated):
                 col = tile * GATE_COLS + mrow
                 if (wg == 0) & (col < n_out):
