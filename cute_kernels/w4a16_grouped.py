@@ -23,7 +23,10 @@ the expert zero-filled) on a second pipeline, so the layer writes no gathered co
 The kernel launches as a programmatic dependent (PDL) of the one before (the routing plan, or GEMM1) and waits
 (griddepcontrol.wait) before its first global read, so its launch and prologue overlap that kernel's tail.
 
-Epilogue, by the tile kind the weights were packed as:
+Epilogue, offloaded at 64- and 128-row m-tiles without gather: the consumers write each unit's sums to a shared-memory
+staging buffer (a one-stage pipeline) and go on to the next unit's MMAs; the producer warpgroup's warps 1-3, idle
+beside warp 0's TMA, add the biases, apply the activation and store. Otherwise the consumers store themselves.
+By the tile kind the weights were packed as:
 - "rows" (activation None): C [P, N] float32 (or bf16, rows_bf16) = the sums (+ bias [E, N]);
 - "gate_up" (a GATED activation): warpgroup 1's up sums join warpgroup 0's gate sums of the same 64 columns
   through shared memory; C [P, N / 2] bf16 = act(gate (+ its bias), up (+ its bias)), bias [E, N] in the
@@ -61,8 +64,16 @@ ROW_W = 128  # the chunk as a TMA box of BOX rows of ROW_W bytes (a box has at m
 BOX = CHUNK // ROW_W
 assert CHUNK % ROW_W == 0 and BOX <= 256
 # Ring stages by m-tile rows: 150 KB at 16 rows, 198 KB at 32, 196 KB at 64, 162 KB at 128 (deeper rings measured no
-# faster at 16: branch wip/w4a16; 64 and 128 rows fill shared memory with 8 and 4 beside the gated up sums).
+# faster at 16: branch wip/w4a16; 64 and 128 rows fill shared memory with 8 and 4 beside the gated up sums). At 64 and
+# 128 rows only the gathered variants use them: the others take STAGES_OFFLOADED.
 STAGES_BY_TOK = {16: 12, 32: 12, 64: 8, 128: 4}
+# The offloaded epilogue (m-tiles of these rows, without gather): the consumers hand each unit's sums to the producer
+# warpgroup's other STORE_WARPS warps through shared memory (a [128, tok] float32 staging buffer) and go on to the
+# next unit's MMAs, which an epilogue of their own left idle for 15-26% of the kernel (bench/NOTES.md v59). The
+# staging buffer takes ring stages: 7 at 64 rows, 3 at 128.
+STAGES_OFFLOADED = {64: 7, 128: 3}
+STORE_WARPS = 3
+SC_PITCH = 132  # floats between the staging buffer's columns: element (m, c) in bank m + 4c, so no conflicts
 CONSUMERS = 2  # warpgroups, 64 weight rows each
 THREADS = 128 * (1 + CONSUMERS)
 # The offsets and the units' prefix sum live in shared memory (one round of global loads per CTA).
@@ -179,7 +190,8 @@ class W4a16GroupedSm90:
         # The TMA bytes a stage's barrier waits for: the weights' chunk, and without gather its A tile (gathered rows
         # come by cp.async, on a pipeline of their own).
         self.stage_bytes = CHUNK + (0 if gather else tok * KT * 2)
-        self.stages = STAGES_BY_TOK[tok]
+        self.offload = not gather and tok in STAGES_OFFLOADED
+        self.stages = STAGES_OFFLOADED[tok] if self.offload else STAGES_BY_TOK[tok]
         self.cols = GATE_COLS if self.gated else TILE_ROWS  # output columns per tile
 
     @cute.jit
@@ -227,7 +239,9 @@ class W4a16GroupedSm90:
             bar_a: cute.struct.MemRange[cutlass.Int64, self.stages * 2 if self.gather else 1]
             off: cute.struct.MemRange[Int32, MAX_EXPERTS + 1]
             cum: cute.struct.MemRange[Int32, MAX_EXPERTS + 1]
-            up: cute.struct.MemRange[Float32, 128 * (self.tok // 2) if self.gated else 1]
+            up: cute.struct.MemRange[Float32, 128 * (self.tok // 2) if self.gated and not self.offload else 1]
+            bar_c: cute.struct.MemRange[cutlass.Int64, 2]
+            sc: cute.struct.Align[cute.struct.MemRange[Float32, SC_PITCH * self.tok if self.offload else 1], 16]
             sA: cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(sA_layout)], 1024]
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(sW_layout)], 1024]
 
@@ -284,6 +298,13 @@ class W4a16GroupedSm90:
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * CONSUMERS), defer_sync=True,
             )  # fmt: skip
+        pipe_c = None
+        if const_expr(self.offload):
+            pipe_c = pipeline.PipelineAsync.create(
+                barrier_storage=storage.bar_c.data_ptr(), num_stages=1,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * CONSUMERS),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * STORE_WARPS), defer_sync=True,
+            )  # fmt: skip
         cute.arch.mbarrier_init_fence()
         # Launched as a programmatic dependent (PDL) of the kernel before (the routing plan, or GEMM1): its launch
         # and this prologue overlap that kernel's end. Every global read comes after the wait, which returns once
@@ -324,22 +345,78 @@ class W4a16GroupedSm90:
             if const_expr(self.gather):
                 self.produce_gathered(tma_w, gW_full, sW, pipe, pipe_a, mA, mG, sA, sCum, sOff, e_num, units,
                                       n_tiles, k_tiles, expert_chunks, tidx, warp_idx, bidx, grid)  # fmt: skip
-            elif warp_idx == 0:
-                tWs, tWg = self.weight_chunks(tma_w, gW_full, sW)
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                u = Int32(bidx)
-                while u < units:
-                    e, tile, row0, _ = self.unit_place(sCum, sOff, u, e_num, n_tiles)
-                    gA = cute.local_tile(cute.domain_offset((row0, 0), gA_full), (self.tok, KT), (0, None))
-                    tAs, tAg = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-                    for kt in range(k_tiles):
-                        bar = self.load_chunk(pipe, state, tma_w, tWs, tWg, e * expert_chunks + tile * k_tiles + kt)
-                        cute.copy(tma_a, tAg[(None, kt)], tAs[(None, state.index)], tma_bar_ptr=bar)
-                        state.advance()
-                    u += grid
-                pipe.producer_tail(state)
+            else:
+                if warp_idx == 0:
+                    tWs, tWg = self.weight_chunks(tma_w, gW_full, sW)
+                    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                    u = Int32(bidx)
+                    while u < units:
+                        e, tile, row0, _ = self.unit_place(sCum, sOff, u, e_num, n_tiles)
+                        gA = cute.local_tile(cute.domain_offset((row0, 0), gA_full), (self.tok, KT), (0, None))
+                        tAs, tAg = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+                        for kt in range(k_tiles):
+                            bar = self.load_chunk(pipe, state, tma_w, tWs, tWg, e * expert_chunks + tile * k_tiles + kt)
+                            cute.copy(tma_a, tAg[(None, kt)], tAs[(None, state.index)], tma_bar_ptr=bar)
+                            state.advance()
+                        u += grid
+                    pipe.producer_tail(state)
+                else:
+                    if const_expr(self.offload):
+                        self.store_units(pipe_c, self.staged(storage), mC, mB, sCum, sOff, e_num, units, n_tiles, tidx, bidx, grid)
         else:
-            self.consume(tiled_mma, pipe, pipe_a, sA, sW, sCum, sOff, storage, mC, mB, e_num, units, n_tiles, k_tiles, tidx, wg_idx, bidx, grid)
+            self.consume(tiled_mma, pipe, pipe_a, pipe_c, sA, sW, sCum, sOff, storage, mC, mB, e_num, units, n_tiles,
+                         k_tiles, tidx, wg_idx, bidx, grid)  # fmt: skip
+
+    @cute.jit
+    def staged(self, storage):
+        """The staging buffer as [128 weight rows, tok rows of A] (offloaded epilogue)."""
+        return storage.sc.get_tensor(cute.make_layout((128, self.tok), stride=(1, SC_PITCH)))
+
+    @cute.jit
+    def store_units(self, pipe_c, sC, mC, mB, sCum, sOff, e_num, units, n_tiles, tidx, bidx, grid):
+        """The offloaded epilogue, by the producer warpgroup's warps 1..STORE_WARPS: for each unit the consumers
+        stage, its outputs (+ biases, the activation of gate and up for gated tiles) to global memory. Lane l stores
+        column l of each 32-column group, so a warp's stores are contiguous; warp s takes rows s, s + STORE_WARPS, ...
+        The buffer is released after the stores: the consumers need it again only at their next unit's end."""
+        t = tidx - 32
+        sw = t // 32
+        lane = t % 32
+        n_out = mC.shape[1]
+        groups = GATE_COLS // 32 if self.gated else TILE_ROWS // 32
+        bias = cute.make_rmem_tensor((2, groups), Float32)
+        cstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        u = Int32(bidx)
+        while u < units:
+            e, tile, row0, rows_left = self.unit_place(sCum, sOff, u, e_num, n_tiles)
+            if const_expr(self.epi.has_bias):
+                for g in cutlass.range_constexpr(groups):
+                    bcol = tile * self.cols + g * 32 + lane  # (not `col`: the DSL would carry it into the loop below)
+                    if bcol < n_out:
+                        if const_expr(self.gated):
+                            bias[0, g] = mB[e, 0, bcol].to(Float32)
+                            bias[1, g] = mB[e, 1, bcol].to(Float32)
+                        else:
+                            bias[0, g] = mB[e, bcol].to(Float32)
+            pipe_c.consumer_wait(cstate)
+            for c in range(sw, cutlass.min(rows_left, self.tok), STORE_WARPS):
+                for g in cutlass.range_constexpr(groups):
+                    m = g * 32 + lane
+                    col = tile * self.cols + m
+                    if col < n_out:
+                        v = sC[m, c]
+                        if const_expr(self.gated):
+                            up = sC[GATE_COLS + m, c]
+                            if const_expr(self.epi.has_bias):
+                                v = v + bias[0, g]
+                                up = up + bias[1, g]
+                            mC[row0 + c, col] = _gated(self.epi.activation, v, up, self.epi.alpha, self.epi.limit).to(BF16)
+                        else:
+                            if const_expr(self.epi.has_bias):
+                                v = v + bias[0, g]
+                            mC[row0 + c, col] = v.to(mC.element_type)
+            pipe_c.consumer_release(cstate)
+            cstate.advance()
+            u += grid
 
     @cute.jit
     def weight_chunks(self, tma_w, gW_full, sW):
@@ -403,7 +480,8 @@ class W4a16GroupedSm90:
         pipe_a.producer_tail(state)
 
     @cute.jit
-    def consume(self, tiled_mma, pipe, pipe_a, sA, sW, sCum, sOff, storage, mC, mB, e_num, units, n_tiles, k_tiles, tidx, wg_idx, bidx, grid):
+    def consume(self, tiled_mma, pipe, pipe_a, pipe_c, sA, sW, sCum, sOff, storage, mC, mB, e_num, units, n_tiles, k_tiles,
+                tidx, wg_idx, bidx, grid):  # fmt: skip
         ctid = tidx - 128 * wg_idx
         wg = wg_idx - 1  # the tile's 64-row half this warpgroup multiplies
         lane = ctid % 32
@@ -421,10 +499,11 @@ class W4a16GroupedSm90:
         done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)  # the next stage to release
         assert cute.shape(tCcC) == ((2, ROW_SLOTS, self.tok // 8), 1, 1), cute.shape(tCcC)  # what row_slot assumes
         bias = cute.make_rmem_tensor((2, ROW_SLOTS), Float32)  # (gate or row, up) of this thread's two weight rows
+        cstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)  # the staging buffer (offload)
         u = Int32(bidx)
         while u < units:
             e, tile, row0, rows_left = self.unit_place(sCum, sOff, u, e_num, n_tiles)
-            if const_expr(self.epi.has_bias):
+            if const_expr(self.epi.has_bias and not self.offload):
                 self.load_biases(bias, tCcC, mB, e, tile, n_out, wg)
             acc.fill(0.0)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -466,7 +545,16 @@ class W4a16GroupedSm90:
             if k_tiles > 0:
                 self.release(pipe, pipe_a, done)
                 done.advance()
-            self.epilogue(acc, tCcC, sUp, mC, bias, e, tile, row0, rows_left, n_out, ctid, wg)
+            if const_expr(self.offload):
+                sC = self.staged(storage)
+                pipe_c.producer_acquire(cstate)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    mrow, c = tCcC[i]
+                    sC[wg * 64 + mrow, c] = acc[i]
+                pipe_c.producer_commit(cstate)
+                cstate.advance()
+            else:
+                self.epilogue(acc, tCcC, sUp, mC, bias, e, tile, row0, rows_left, n_out, ctid, wg)
             u += grid
 
     @cute.jit

@@ -206,8 +206,14 @@ def test_w4a16_variant(epilogue, gather, tok, tmp_path):
     assert ptx.count("vote.sync.any.pred") >= 1
     stores = set(re.findall(r"st\.global\.[\w.]+", ptx))
     assert stores == ({"st.global.b16"} if epilogue.activation or epilogue.rows_bf16 else {"st.global.b32"}), stores
-    if epilogue.activation:
-        assert re.search(r"bar\.sync\s+1, 256;", ptx) and re.search(r"bar\.sync\s+2, 256;", ptx)
+    exchanges = re.search(r"bar\.sync\s+1, 256;", ptx) and re.search(r"bar\.sync\s+2, 256;", ptx)
+    if kernel.offload:
+        # the sums go to the store warps through shared memory: no exchange between the consumer warpgroups, and the
+        # staging buffer's two mbarriers (arrivals by 256 consumer threads and 96 store threads) beside the ring's
+        assert not exchanges and kernel.stages == w4.STAGES_OFFLOADED[tok]
+        assert len(re.findall(r"mbarrier\.arrive(?:\.release)?(?:\.cta)?\.shared(?:::cta)?\.b64", ptx)) >= 2
+    elif epilogue.activation:
+        assert exchanges
     assert ".local" not in ptx
     before, _ = split_at_wait(ptx)
     assert not touches_global(before), "a global access before griddepcontrol.wait"
