@@ -1,4 +1,4 @@
-"""python bench/w4a16_gemm.py [--tok 16 32] [--tokens 1 16 128 ...]: the w4a16 grouped GEMM (cute_kernels/w4a16_grouped.py) at gpt-oss-120b's expert
+"""python bench/w4a16_gemm.py [--tok 16 32 64 128] [--tokens 1 16 128 ...]: the w4a16 grouped GEMM (cute_kernels/w4a16_grouped.py) at gpt-oss-120b's expert
 shapes (E = 128, top-4, H = I = 2880), mxfp4 weights packed once, in CUDA graphs of GRAPH_CALLS launches.
 
 For M tokens (default 1, 16, 128; random top-4 routing, each expert's rows contiguous as the routing plan leaves them):
