@@ -403,17 +403,8 @@ class W4a16GroupedSm90:
                     m = g * 32 + lane
                     col = tile * self.cols + m
                     if col < n_out:
-                        v = sC[m, c]
-                        if const_expr(self.gated):
-                            up = sC[GATE_COLS + m, c]
-                            if const_expr(self.epi.has_bias):
-                                v = v + bias[0, g]
-                                up = up + bias[1, g]
-                            mC[row0 + c, col] = _gated(self.epi.activation, v, up, self.epi.alpha, self.epi.limit).to(BF16)
-                        else:
-                            if const_expr(self.epi.has_bias):
-                                v = v + bias[0, g]
-                            mC[row0 + c, col] = v.to(mC.element_type)
+                        up = sC[GATE_COLS + m, c] if const_expr(self.gated) else None
+                        mC[row0 + c, col] = self.finished(sC[m, c], up, bias, g, mC.element_type)
             pipe_c.consumer_release(cstate)
             cstate.advance()
             u += grid
@@ -606,18 +597,22 @@ class W4a16GroupedSm90:
                     mrow, c = tCcC[i]
                     col = tile * GATE_COLS + mrow
                     if (c < rows_left) & (col < n_out):
-                        g = acc[i]
-                        up = sUp[ctid, i]
-                        if const_expr(self.epi.has_bias):
-                            g = g + bias[0, row_slot(i)]
-                            up = up + bias[1, row_slot(i)]
-                        mC[row0 + c, col] = _gated(self.epi.activation, g, up, self.epi.alpha, self.epi.limit).to(BF16)
+                        mC[row0 + c, col] = self.finished(acc[i], sUp[ctid, i], bias, row_slot(i), BF16)
         else:
             for i in cutlass.range_constexpr(cute.size(acc)):
                 mrow, c = tCcC[i]
                 col = tile * TILE_ROWS + wg * 64 + mrow
                 if (c < rows_left) & (col < n_out):
-                    v = acc[i]
-                    if const_expr(self.epi.has_bias):
-                        v = v + bias[0, row_slot(i)]
-                    mC[row0 + c, col] = v.to(mC.element_type)
+                    mC[row0 + c, col] = self.finished(acc[i], None, bias, row_slot(i), mC.element_type)
+
+    @cute.jit
+    def finished(self, v, up, bias, slot, dtype):
+        """An output element from its float32 sums, in dtype: v (+ bias[0, slot]), or for gated tiles act(v +
+        bias[0, slot], up + bias[1, slot]). Both epilogues (the consumers' own and the offloaded one) use it."""
+        if const_expr(self.epi.has_bias):
+            v = v + bias[0, slot]
+            if const_expr(self.gated):
+                up = up + bias[1, slot]
+        if const_expr(self.gated):
+            v = _gated(self.epi.activation, v, up, self.epi.alpha, self.epi.limit)
+        return v.to(dtype)
