@@ -375,36 +375,52 @@ class W4a16GroupedSm90:
     @cute.jit
     def store_units(self, pipe_c, sC, mC, mB, sCum, sOff, e_num, units, n_tiles, tidx, bidx, grid):
         """The offloaded epilogue, by the producer warpgroup's warps 1..STORE_WARPS: for each unit the consumers
-        stage, its outputs (+ biases, the activation of gate and up for gated tiles) to global memory. Lane l stores
-        column l of each 32-column group, so a warp's stores are contiguous; warp s takes rows s, s + STORE_WARPS, ...
-        The buffer is released after the stores: the consumers need it again only at their next unit's end."""
+        stage, its outputs (+ biases, the activation of gate and up for gated tiles) to global memory. Lane l finishes
+        the VEC = cols / 32 consecutive columns from VEC l (4 of a rows tile's 128, 2 of a gated tile's 64), read from
+        the buffer in one vector load per operand and stored in one vector store where the output's rows allow it
+        (n_out a multiple of VEC), so a warp instruction covers a row's whole tile. At one element a lane the store
+        warps cost 128-row GEMM1 12-13% over storing nothing; in vectors 1-4%. GEMM2's 22-28% hardly moved: what is
+        left there is the writes themselves, not the warps' instructions (bench/NOTES.md v60). Warp s takes rows s,
+        s + STORE_WARPS, ... The buffer is released after the stores: the consumers need it again only at their next
+        unit's end."""
         t = tidx - 32
         sw = t // 32
         lane = t % 32
         n_out = mC.shape[1]
-        groups = GATE_COLS // 32 if self.gated else TILE_ROWS // 32
-        bias = cute.make_rmem_tensor((2, groups), Float32)
+        vec = self.cols // 32
+        whole = n_out % vec == 0  # every output row then starts aligned for a VEC-element store
+        n_vec = n_out // vec
+        mCv = cute.make_tensor(mC.iterator, cute.make_layout((mC.shape[0], n_vec * vec), stride=(n_vec * vec, 1)))
+        bias = cute.make_rmem_tensor((2, vec), Float32)
+        sums = cute.make_rmem_tensor((2, vec), Float32)  # (gate or row, up)
+        res = cute.make_rmem_tensor((vec,), mC.element_type)
         cstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         u = Int32(bidx)
         while u < units:
             e, tile, row0, rows_left = self.unit_place(sCum, sOff, u, e_num, n_tiles)
+            first = tile * self.cols + vec * lane  # this lane's first column
             if const_expr(self.epi.has_bias):
-                for g in cutlass.range_constexpr(groups):
-                    bcol = tile * self.cols + g * 32 + lane  # (not `col`: the DSL would carry it into the loop below)
-                    if bcol < n_out:
+                for j in cutlass.range_constexpr(vec):
+                    if first + j < n_out:
                         if const_expr(self.gated):
-                            bias[0, g] = mB[e, 0, bcol].to(Float32)
-                            bias[1, g] = mB[e, 1, bcol].to(Float32)
+                            bias[0, j] = mB[e, 0, first + j].to(Float32)
+                            bias[1, j] = mB[e, 1, first + j].to(Float32)
                         else:
-                            bias[0, g] = mB[e, bcol].to(Float32)
+                            bias[0, j] = mB[e, first + j].to(Float32)
             pipe_c.consumer_wait(cstate)
             for c in range(sw, cutlass.min(rows_left, self.tok), STORE_WARPS):
-                for g in cutlass.range_constexpr(groups):
-                    m = g * 32 + lane
-                    col = tile * self.cols + m
-                    if col < n_out:
-                        up = sC[GATE_COLS + m, c] if const_expr(self.gated) else None
-                        mC[row0 + c, col] = self.finished(sC[m, c], up, bias, g, mC.element_type)
+                cute.autovec_copy(cute.local_tile(sC[None, c], (vec,), (lane,)), sums[0, None])
+                if const_expr(self.gated):
+                    cute.autovec_copy(cute.local_tile(sC[None, c], (vec,), (GATE_COLS // vec + lane,)), sums[1, None])
+                for j in cutlass.range_constexpr(vec):
+                    res[j] = self.finished(sums[0, j], sums[1, j] if const_expr(self.gated) else None, bias, j, mC.element_type)
+                if whole:
+                    if first < n_out:
+                        cute.autovec_copy(res, cute.local_tile(mCv[row0 + c, None], (vec,), (tile * (self.cols // vec) + lane,)))
+                else:
+                    for j in cutlass.range_constexpr(vec):
+                        if first + j < n_out:
+                            mC[row0 + c, first + j] = res[j]
             pipe_c.consumer_release(cstate)
             cstate.advance()
             u += grid

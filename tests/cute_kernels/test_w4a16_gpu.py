@@ -111,6 +111,54 @@ def test_gated_against_float64(iface, activation, layout, bias_dtype, tok):
     assert (err <= 8e-3 * want.abs() + 1e-3 * want.abs().max()).all(), (activation, layout, err.max())
 
 
+@pytest.mark.parametrize("tok", [64, 128])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [202, 256])
+def test_offloaded_rows_stores(iface, tok, out_dtype, n):
+    """The store warps of 64- and 128-row m-tiles (w4a16_grouped.store_units) on the rows kind with biases: four
+    columns a lane in one vector store where n is a multiple of 4 (256), one at a time where rows start off 16 bytes
+    (202), in float32 and in bf16 (rows_bf16, the token sums' input)."""
+    from cute_kernels import w4a16_pack as wp
+
+    counts = COUNTS[2]
+    e, k = len(counts), 320
+    codes, scales = mxfp4(e, n, k)
+    offsets = offsets_for(counts)
+    p = int(sum(counts))
+    a = torch.randn(p, k, device="cuda").bfloat16()
+    bias = torch.randn(e, n, device="cuda")
+    out = torch.full((p, n), float("nan"), device="cuda", dtype=out_dtype)
+    iface.w4a16_grouped_gemm(a, wp.pack_mxfp4_experts(codes, scales, kind="rows"), offsets, n=n, bias=bias, out=out,
+                             out_dtype=out_dtype, tok=tok)  # fmt: skip
+    want, bound = grouped_sums(a, decode64(codes, scales), offsets, bias)
+    rounding = 2.0**-8 if out_dtype == torch.bfloat16 else 1e-6
+    assert ((out.double() - want).abs() <= 1e-5 * bound + rounding * want.abs()).all(), (out.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("tok", [64, 128])
+@pytest.mark.parametrize("inter", [97, 96])
+def test_offloaded_gated_stores(iface, tok, inter):
+    """The store warps on gated tiles: bf16 pairs a lane in one 4-byte store where I is even (96), one column at a time
+    where it is odd (97), the biases interleaved as gpt-oss holds them."""
+    from cute_kernels import w4a16_pack as wp
+
+    counts = COUNTS[2]
+    e, k = len(counts), 256
+    codes, scales = mxfp4(e, 2 * inter, k)
+    offsets = offsets_for(counts)
+    p = int(sum(counts))
+    a = torch.randn(p, k, device="cuda").bfloat16()
+    bias = torch.randn(e, 2 * inter, device="cuda")
+    packed = wp.pack_mxfp4_experts(codes, scales, kind="gate_up", gate_layout="interleaved")
+    out = torch.full((p, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+    iface.w4a16_grouped_gemm(a, packed, offsets, n=2 * inter, activation="swigluoai", bias=bias, gate_layout="interleaved",
+                             out=out, tok=tok)  # fmt: skip
+    sums, _ = grouped_sums(a, decode64(codes, scales), offsets, bias)
+    want = act64(sums, "swigluoai", True)
+    err = (out.double() - want).abs()
+    assert (err <= 8e-3 * want.abs() + 1e-3 * want.abs().max()).all(), err.max()
+
+
 def routed(m, counts):
     """int32 [P] gather of a routing with these rows per expert: each grouped row's source token in [0, m), tokens
     repeated and in no order (as a plan's gather is, grouped by expert)."""
