@@ -21,6 +21,7 @@ import os
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -90,7 +91,11 @@ def get(key: str, build: Callable[[], tuple[object, tuple]]):
             how = "disk"
         else:
             jit_fn, args = build()
-            fn = cute.compile(jit_fn, *args, options=OPTIONS)
+            with warnings.catch_warnings():
+                # Loops over a thread's accumulator registers unroll in Python on purpose (register indices must be
+                # compile-time constants); the DSL warns about every such loop of 64 iterations or more.
+                warnings.filterwarnings("ignore", message="This static loop has")
+                fn = cute.compile(jit_fn, *args, options=OPTIONS)
             how = "compile"
             _export(fn, path, prefix)
         timings[key] = (how, time.perf_counter() - start)

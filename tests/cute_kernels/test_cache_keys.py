@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -192,6 +193,22 @@ def test_concurrent_first_uses_compile_once(stub_compiler, monkeypatch):
         t.join(30)
     assert len(results) == 2 and results[0] is results[1]
     assert builds == [1] and stub_compiler == []
+
+
+def test_compile_quiets_only_the_dsls_static_loop_warning(stub_compiler, monkeypatch):
+    # The kernels unroll loops over a thread's accumulator registers in Python on purpose; the DSL warns about
+    # every such loop of 64 iterations or more, which would reach each user at a first compile. Any other
+    # warning of the compile still comes through.
+    def compile_(fn, *args, options):
+        warnings.warn("This static loop has 64 iterations, which may be very slow to compile", UserWarning)
+        warnings.warn("another warning", UserWarning)
+        return SimpleNamespace(built=fn)
+
+    monkeypatch.setattr(cc, "cute", SimpleNamespace(compile=compile_))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cc.get("moe_gemm:k", lambda: ("kernel", ()))
+    assert [str(w.message) for w in seen] == ["another warning"]
 
 
 def test_cache_dir_default_and_override(tmp_path, monkeypatch):
