@@ -698,10 +698,10 @@ def w4a16_compile_args(epilogue: W4Epilogue) -> tuple:
     return (*ptrs, *[Int32(128)] * 9, cc.fake_stream())
 
 
-def _w4a16(epilogue: W4Epilogue, tok: int, gather: bool = False):
+def _w4a16(epilogue: W4Epilogue, tok: int, gather: bool = False, early: bool = False):
     return cc.get(
-        f"w4a16_grouped:{epilogue}:tok{tok}" + (":gather" if gather else ""),
-        lambda: (W4a16GroupedSm90(epilogue, tok, gather), w4a16_compile_args(epilogue)),
+        f"w4a16_grouped:{epilogue}:tok{tok}" + (":gather" if gather else "") + (":early" if early else ""),
+        lambda: (W4a16GroupedSm90(epilogue, tok, gather, early), w4a16_compile_args(epilogue)),
     )
 
 
@@ -741,7 +741,7 @@ def choose_w4a16_tok(p: int, num_experts: int) -> int:
 def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = None, alpha: float = 1.702,
                        limit: float = 7.0, bias=None, gate_layout: str | None = None, out=None,
                        out_dtype=torch.float32, tok: int | None = None, gather=None,
-                       gather_in_kernel: bool | None = None) -> torch.Tensor:  # fmt: skip
+                       gather_in_kernel: bool | None = None, early_weights: bool = False) -> torch.Tensor:  # fmt: skip
     """The grouped GEMM of bf16 rows with mxfp4 experts (w4a16_grouped.py).
 
     a [P, K] bf16: each expert's rows contiguous, expert e's at offsets[e]:offsets[e + 1] (int32 [E + 1]);
@@ -755,7 +755,10 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
     a GATED activation: returns bf16 [P, n / 2] = act(gate, up) of the sums (+ bias [E, n], its gate and up
     halves as gate_layout says: "concat" or "interleaved"). Biases float32 or bf16, read as they are and added in
     float32. Rows past offsets[E] are not written. out: the result's tensor, or None for a new one. tok: the
-    m-tile's rows (16, 32, 64 or 128; None: choose_w4a16_tok)."""
+    m-tile's rows (16, 32, 64 or 128; None: choose_w4a16_tok). early_weights: the kernel reads `offsets` and starts
+    loading `packed` before waiting for the kernel launched just before it on the stream; only when that kernel
+    writes neither and started after both were written (GEMM2 right after GEMM1 over the same plan, weights tiled
+    at load time). Not with gather."""
     if activation is None and out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype: got {out_dtype}; allowed without an activation: torch.float32, torch.bfloat16")
     if tok is not None and tok not in W4A16_TOKS:
@@ -772,6 +775,10 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
         raise ValueError(f"a: shape {list(a.shape)}; expected [P, K]" + (" or, with gather, [M, K]" if kind == "gate_up" else ""))
     if gather is not None and kind != "gate_up":
         raise ValueError("gather: given without an activation; only GEMM1 (a gated activation) gathers its rows")
+    if not isinstance(early_weights, bool) or (early_weights and gather is not None):
+        raise (TypeError if not isinstance(early_weights, bool) else ValueError)(
+            f"early_weights={early_weights!r}; allowed: a bool, and False with a gather (GEMM1 reads the plan's offsets first)"
+        )
     if gather_in_kernel is not None and (not isinstance(gather_in_kernel, bool) or gather is None):
         raise (TypeError if gather is not None else ValueError)(
             f"gather_in_kernel={gather_in_kernel!r}; allowed: None, or a bool with a gather"
@@ -817,7 +824,7 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
             gather_in_kernel = w4a16_gathers_in_kernel(p, num_experts)
         if not gather_in_kernel:
             a, gather = a.index_select(0, gather), None
-    fn = _w4a16(epi, tok, gather is not None)
+    fn = _w4a16(epi, tok, gather is not None, early_weights)
     _launch(
         fn, a.device, _ptr(packed), _ptr(a), _ptr(offsets), _ptr(out), _ptr(bias if bias is not None else offsets),
         _ptr(gather if gather is not None else offsets),
@@ -828,11 +835,11 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
 
 
 def w4a16_down_reduce(a, packed, bias, offsets, topk_weights, inverse, *, n: int, out=None, norm_weight=None,
-                      norm_eps: float = 1e-6) -> torch.Tensor:  # fmt: skip
+                      norm_eps: float = 1e-6, early_weights: bool = False) -> torch.Tensor:  # fmt: skip
     """GEMM2 with mxfp4 experts, then the token sum: [M, n] bf16 = sum_j topk_weights[m, j] *
     (a[inverse[m*k+j]] @ W[e].T + bias[e]), each row normalized first with norm_weight [n] (bf16 or float32).
     a [P, I] bf16 grouped by offsets; packed: kind "rows"; bias [E, n] float32 or bf16. y, the GEMM's rows, in bf16 as the
-    bf16 layer's (down_reduce). Every element of the output is written."""
+    bf16 layer's (down_reduce). Every element of the output is written. early_weights: as w4a16_grouped_gemm's."""
     _check_tensors(topk_weights=(topk_weights, (None, None), (torch.float32,)))
     m, k = topk_weights.shape
     _check_tensors(
@@ -842,7 +849,7 @@ def w4a16_down_reduce(a, packed, bias, offsets, topk_weights, inverse, *, n: int
     if norm_weight is not None and not norm_eps > 0:
         raise ValueError(f"norm_eps: got {norm_eps}; allowed: > 0")
     _check_aligned(topk_weights=topk_weights, inverse=inverse, out=out, norm_weight=norm_weight)
-    y = w4a16_grouped_gemm(a, packed, offsets, n=n, bias=bias, out_dtype=torch.bfloat16)  # checks the rest
+    y = w4a16_grouped_gemm(a, packed, offsets, n=n, bias=bias, out_dtype=torch.bfloat16, early_weights=early_weights)  # checks the rest
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device) if out is None else out
     if m == 0:
         return out

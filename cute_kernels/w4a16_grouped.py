@@ -21,7 +21,9 @@ from the tokens' row A[g[r]] instead: all of warpgroup 0 copies the rows in 16-b
 the expert zero-filled) on a second pipeline, so the layer writes no gathered copy of its tokens.
 
 The kernel launches as a programmatic dependent (PDL) of the one before (the routing plan, or GEMM1) and waits
-(griddepcontrol.wait) before its first global read, so its launch and prologue overlap that kernel's tail.
+(griddepcontrol.wait) before its first global read, so its launch and prologue overlap that kernel's tail. With
+early_weights (GEMM2 right after GEMM1, weights tiled at load time) it reads the offsets and starts its first unit's
+weight chunks before the wait, so they stream while GEMM1 finishes.
 
 Epilogue, offloaded at 64- and 128-row m-tiles without gather: the consumers write each unit's sums to a shared-memory
 staging buffer (a one-stage pipeline) and go on to the next unit's MMAs; the producer warpgroup's warps 1-3, idle
@@ -178,11 +180,17 @@ def decode_word_any(q, m1, m2):
 class W4a16GroupedSm90:
     """See the module docstring. Compile with __call__'s argument types (interface.w4a16_compile_args)."""
 
-    def __init__(self, epilogue: W4Epilogue, tok: int = 16, gather: bool = False):
+    def __init__(self, epilogue: W4Epilogue, tok: int = 16, gather: bool = False, early_weights: bool = False):
         if tok not in TOKS:
             raise ValueError(f"W4a16GroupedSm90: tok={tok!r}; allowed: {TOKS}")
         if gather and epilogue.activation is None:
             raise ValueError("W4a16GroupedSm90: gather=True needs a gated activation (GEMM1); the rows kind reads grouped rows")
+        # early_weights: the offsets are read, and the first unit's weight chunks start loading, before the wait for
+        # the previous kernel, which must then have written neither (GEMM2 after GEMM1 over the same plan, weights
+        # tiled at load time). Not with gather: GEMM1's previous kernel is the plan, which writes the offsets.
+        if early_weights and gather:
+            raise ValueError("W4a16GroupedSm90: early_weights=True with gather=True; GEMM1 needs the plan's offsets first")
+        self.early = early_weights
         self.epi = epilogue
         self.tok = tok
         self.gated = epilogue.activation is not None
@@ -309,12 +317,15 @@ class W4a16GroupedSm90:
         # Launched as a programmatic dependent (PDL) of the kernel before (the routing plan, or GEMM1): its launch
         # and this prologue overlap that kernel's end. Every global read comes after the wait, which returns once
         # that kernel is complete; letting the next kernel launch then only queues its CTAs behind this one's.
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
+        # With early_weights the offsets are read before the wait (and past L1, which may hold an earlier launch's):
+        # the plan wrote them, and completed before the kernel before this one passed its own wait.
+        if const_expr(not self.early):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
         e_num = mOff.shape[0] - 1
         sOff = storage.off.get_tensor(cute.make_layout((MAX_EXPERTS + 1,)))
         for i in range(tidx, e_num + 1, THREADS):
-            sOff[i] = mOff[i]
+            sOff[i] = cute.arch.load(mOff.iterator + i, Int32, cop="cg") if const_expr(self.early) else mOff[i]
         cute.arch.sync_threads()
         sCum = storage.cum.get_tensor(cute.make_layout((MAX_EXPERTS + 1,)))
         # sCum[e] = units of the experts before e: each lane of warp 0 sums a run of experts, a warp scan adds the runs.
@@ -341,6 +352,13 @@ class W4a16GroupedSm90:
         units = sCum[e_num]
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sW = storage.sW.get_tensor(sW_layout)
+        early = Int32(0)  # k-tiles of the CTA's first unit whose weight chunks are already loading (early_weights)
+        if const_expr(self.early):
+            if warp_idx == 0:
+                early = self.early_chunks(tma_w, gW_full, sW, pipe, sCum, sOff, e_num, units, n_tiles, k_tiles, expert_chunks, bidx)
+            # Every thread waits: no global write, and no read of the previous kernel's output, before it completes.
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
         if wg_idx == 0:
             if const_expr(self.gather):
                 self.produce_gathered(tma_w, gW_full, sW, pipe, pipe_a, mA, mG, sA, sCum, sOff, e_num, units,
@@ -355,9 +373,12 @@ class W4a16GroupedSm90:
                         gA = cute.local_tile(cute.domain_offset((row0, 0), gA_full), (self.tok, KT), (0, None))
                         tAs, tAg = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
                         for kt in range(k_tiles):
-                            bar = self.load_chunk(pipe, state, tma_w, tWs, tWg, e * expert_chunks + tile * k_tiles + kt)
-                            cute.copy(tma_a, tAg[(None, kt)], tAs[(None, state.index)], tma_bar_ptr=bar)
+                            if kt >= early:
+                                self.load_chunk(pipe, state, tma_w, tWs, tWg, e * expert_chunks + tile * k_tiles + kt)
+                            # An early k-tile's barrier already expects A's bytes too.
+                            cute.copy(tma_a, tAg[(None, kt)], tAs[(None, state.index)], tma_bar_ptr=pipe.producer_get_barrier(state))
                             state.advance()
+                        early = Int32(0)
                         u += grid
                     pipe.producer_tail(state)
                 else:
@@ -430,6 +451,23 @@ class W4a16GroupedSm90:
         """The weights' TMA partition: (the ring's stages, the chunks in global memory, by chunk index)."""
         gW = cute.local_tile(gW_full, (BOX, ROW_W), (None, None))
         return cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+
+    @cute.jit
+    def early_chunks(self, tma_w, gW_full, sW, pipe, sCum, sOff, e_num, units, n_tiles, k_tiles, expert_chunks, bidx) -> Int32:
+        """Start the weight chunks of this CTA's first unit into the ring's first stages before the wait for the
+        previous kernel (early_weights): at small M a CTA's job is a unit or two, and its weights then stream while
+        GEMM1 finishes. Returns how many k-tiles were started (the producer loop skips their chunks; their barriers
+        still count A's bytes). Warp 0 only."""
+        started = Int32(0)
+        if Int32(bidx) < units:
+            e, tile, _, _ = self.unit_place(sCum, sOff, Int32(bidx), e_num, n_tiles)
+            tWs, tWg = self.weight_chunks(tma_w, gW_full, sW)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            started = cutlass.min(k_tiles, self.stages)
+            for kt in range(started):
+                self.load_chunk(pipe, state, tma_w, tWs, tWg, e * expert_chunks + tile * k_tiles + kt)
+                state.advance()
+        return started
 
     @cute.jit
     def load_chunk(self, pipe, state, tma_w, tWs, tWg, chunk):

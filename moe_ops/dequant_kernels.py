@@ -149,8 +149,9 @@ def down_reduce(
 ):  # fmt: skip
     """moe_ops::down_reduce through the kernels: a [P, I'] dequantized to out_dtype, w decoded
     (dequantized_experts), GEMM2 + [norm] + router weight + token sum in the kernels. [M, H] in out_dtype.
-    weights_early is not used: the kernel before GEMM2 is now the decoding that writes its weights (or,
-    for the schemes fp8_kernels serves, the intermediate's quantizer)."""
+    weights_early (w and expert_offsets written before the kernel launched just before this one) serves only
+    tiled mxfp4 weights on the w4a16 kernels (w4_kernels.down_reduce); elsewhere the kernel before GEMM2 is the
+    decoding that writes its weights (or, for the schemes fp8_kernels serves, the intermediate's quantizer)."""
     if fp8_kernels.serves(a_dtype, a_group, w_dtype, w_group, out_dtype):
         return fp8_kernels.down_reduce(
             interface, a=a, a_scale=a_scale, w=w, w_scale=w_scale, w_group=w_group, bias=bias, expert_offsets=expert_offsets,
@@ -159,7 +160,7 @@ def down_reduce(
     if w4_kernels.serves(a_dtype, w_dtype, w_group, out_dtype):
         return w4_kernels.down_reduce(
             interface, a=a, w=w, w_scale=w_scale, w_dtype=w_dtype, bias=bias, expert_offsets=expert_offsets, topk_weights=topk_weights,
-            inverse=inverse, norm_weight=norm_weight, norm_eps=norm_eps,
+            inverse=inverse, norm_weight=norm_weight, norm_eps=norm_eps, weights_early=weights_early,
         )  # fmt: skip
     rows = a.shape[0]
     x = _activations(a, a_dtype, a_group, a_scale, a_global_scale, out_dtype)

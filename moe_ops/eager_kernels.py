@@ -169,7 +169,7 @@ def _run_quantized(interface, x, w13, w2, topk_weights, act, w13_bias, w2_bias, 
         interface, a=q, a_scale=q_scale if a_dtype != "none" else None, a_global_scale=t2["a_global_scale"],
         a_dtype=a_dtype, a_group=a_group, w=w2, w_scale=t2["w_scale"], w_global_scale=t2["w_global_scale"],
         w_zero=t2["w_zero"], w_dtype=w2_dtype, w_group=w_group, bias=w2_bias, expert_offsets=offsets,
-        topk_weights=topk_weights, inverse=inverse, out_dtype=x.dtype,
+        topk_weights=topk_weights, inverse=inverse, out_dtype=x.dtype, weights_early=True,
         norm_weight=None if norm is None else norm.weight, norm_eps=1e-6 if norm is None else norm.eps,
     )  # fmt: skip
 

@@ -69,12 +69,16 @@ def gate_up(interface, *, x, w, w_scale, w_dtype, bias, expert_offsets, gather_i
     )  # fmt: skip
 
 
-def down_reduce(interface, *, a, w, w_scale, w_dtype, bias, expert_offsets, topk_weights, inverse, norm_weight, norm_eps):
+def down_reduce(interface, *, a, w, w_scale, w_dtype, bias, expert_offsets, topk_weights, inverse, norm_weight, norm_eps,
+                weights_early=False):  # fmt: skip
     """moe_ops::down_reduce for a scheme `serves` accepts: [M, H] bf16, the router-weighted sum over each token's
     pairs of a[row] @ W2[e].T + bias[e] (each normalized first with norm_weight); a [P, I] bf16; w as in gate_up
-    (tiled: mxfp4_tiled_rows)."""
+    (tiled: mxfp4_tiled_rows). weights_early: w and expert_offsets were written before the kernel launched just
+    before this one (gate_up's GEMM1), so tiled weights start loading before the wait for it; untiled ones are
+    re-laid by a kernel right before GEMM2, which must then wait."""
+    early = False
     if tiled.is_tiled(w_dtype):
-        packed, offsets, b = wp.tiled_words(w), expert_offsets, _bias(bias)
+        packed, offsets, b, early = wp.tiled_words(w), expert_offsets, _bias(bias), weights_early
     else:
         from .w4_pack_kernel import pack_slots  # Triton: imported where it runs
 
@@ -83,4 +87,5 @@ def down_reduce(interface, *, a, w, w_scale, w_dtype, bias, expert_offsets, topk
         b = None if bias is None else _bias(bias.index_select(0, idx))
     return interface.w4a16_down_reduce(
         a.contiguous(), packed, b, offsets, topk_weights, inverse, n=w.shape[1], norm_weight=norm_weight, norm_eps=norm_eps,
+        early_weights=early,
     )  # fmt: skip

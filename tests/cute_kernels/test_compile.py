@@ -175,19 +175,31 @@ def test_moe_gemm_variant(variant, tmp_path):
         _check_resources(_ptxas(ptx, tmp_path))
 
 
-# Every w4a16 variant: each epilogue reading grouped rows by TMA, and each gated one (GEMM1) gathering its rows.
-W4_VARIANTS = [(epi, False) for epi in interface.w4a16_variants()] + [(epi, True) for epi in interface.w4a16_variants() if epi.activation]
+# Every w4a16 variant: each epilogue reading grouped rows by TMA, and each gated one (GEMM1) gathering its rows; the
+# rows kind (GEMM2) also with its weights started before the wait (early_weights).
+W4_VARIANTS = (
+    [(epi, False, False) for epi in interface.w4a16_variants()]
+    + [(epi, True, False) for epi in interface.w4a16_variants() if epi.activation]
+    + [(epi, False, True) for epi in interface.w4a16_variants() if not epi.activation]
+)
+
+
+def _w4_id(v) -> str:
+    epi, gather, early = v
+    return f"{epi}-gather={gather}" + ("-early" if early else "")
 
 
 @pytest.mark.parametrize("tok", w4.TOKS)
-@pytest.mark.parametrize("epilogue,gather", W4_VARIANTS, ids=lambda v: str(v) if not isinstance(v, bool) else f"gather={v}")
-def test_w4a16_variant(epilogue, gather, tok, tmp_path):
+@pytest.mark.parametrize("variant", W4_VARIANTS, ids=_w4_id)
+def test_w4a16_variant(variant, tok, tmp_path):
     """The w4a16 grouped GEMM: the weights' chunk by 2-D TMA; the rows by 2-D TMA, or with gather in 16-byte
     cp.async chunks, zero-filled past the expert; register-A WGMMA on bf16 (weights
     on M: m64n{tok}k16), KB per k-tile, the decode's bf16x2 multiplies (one per output register; two with a scale
     above 2^1), bf16 stores after an activation, float32 ones otherwise; no local memory or spills; launched as a
-    programmatic dependent, with no global access before griddepcontrol.wait."""
-    kernel = w4.W4a16GroupedSm90(epilogue, tok, gather)
+    programmatic dependent, with no global access before griddepcontrol.wait but, with early_weights, the offsets
+    (past L1) and the first unit's weight chunks."""
+    epilogue, gather, early = variant
+    kernel = w4.W4a16GroupedSm90(epilogue, tok, gather, early)
     ptx = _compile(kernel, interface.w4a16_compile_args(epilogue), tmp_path)
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 [^;]*;", ptx)
     assert len(wgmma) == w4.KB and set(wgmma) == {str(tok)}  # WGMMA's N is the m-tile's rows
@@ -224,6 +236,10 @@ def test_w4a16_variant(epilogue, gather, tok, tmp_path):
         assert exchanges
     assert ".local" not in ptx
     before, _ = split_at_wait(ptx)
+    if early:
+        # the offsets by ld.global.cg, and one TMA in the loop over the first unit's early k-tiles (A's come after)
+        assert re.search(r"ld\.global\.cg\.b32", before) and before.count("cp.async.bulk.tensor.2d") == 1, "no weights early"
+        before = re.sub(r"ld\.global\.cg\.b32|cp\.async\.bulk\.tensor\.2d\.\S+", "", before)
     assert not touches_global(before), "a global access before griddepcontrol.wait"
     assert "griddepcontrol.launch_dependents" in ptx
     assert kernel.storage.size_in_bytes() <= SMEM_CAPACITY

@@ -212,9 +212,12 @@ def test_scales_above_two_and_nan(iface):
     assert ((out.double() - want).abs()[ok] <= 1e-5 * bound[ok]).all()
 
 
-def test_cuda_graph_gemm1_then_gemm2(iface):
+@pytest.mark.parametrize("early,tok2", [(False, None), (True, None), (True, 128)], ids=["waits", "early", "early-tok128"])
+def test_cuda_graph_gemm1_then_gemm2(iface, early, tok2):
     """GEMM1 (gathering) then GEMM2 captured in one CUDA graph, each launched as a programmatic dependent of the
-    kernel before it: GEMM2 must read GEMM1's complete output on every replay, on new tokens."""
+    kernel before it: GEMM2 must read GEMM1's complete output on every replay, on new tokens; also with its offsets
+    and first weight chunks read before its wait (early_weights), at the rule's m-tile and at 128 rows (the offloaded
+    epilogue)."""
     from cute_kernels import w4a16_pack as wp
 
     counts = COUNTS[1]
@@ -230,7 +233,7 @@ def test_cuda_graph_gemm1_then_gemm2(iface):
 
     def layer():
         iface.w4a16_grouped_gemm(x, p13, offsets, n=2 * inter, activation="silu", out=h, gather=gather, gather_in_kernel=True)
-        iface.w4a16_grouped_gemm(h, p2, offsets, n=hidden, out=y)
+        iface.w4a16_grouped_gemm(h, p2, offsets, n=hidden, out=y, tok=tok2, early_weights=early)
 
     layer()  # compile and warm up outside the capture
     graph = torch.cuda.CUDAGraph()

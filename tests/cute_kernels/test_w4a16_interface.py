@@ -82,6 +82,20 @@ def test_gather():
         interface.w4a16_grouped_gemm(**{**gated, "out": torch.zeros(3, N // 2, dtype=torch.bfloat16)})
 
 
+def test_early_weights():
+    """early_weights (GEMM2 after GEMM1 over the same plan) is a bool, and never with a gather: GEMM1's kernel before
+    it is the plan, which writes the offsets the early loads would read."""
+    gated = _args(a=torch.zeros(3, K, dtype=torch.bfloat16), activation="silu", gather=torch.zeros(P, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"early_weights=True; allowed: a bool, and False with a gather"):
+        interface.w4a16_grouped_gemm(**{**gated, "early_weights": True})
+    with pytest.raises(TypeError, match=r"early_weights=1; allowed: a bool"):
+        interface.w4a16_grouped_gemm(**{**_args(), "early_weights": 1})
+    with pytest.raises(ValueError, match="the kernels do not serve this call"):  # accepted: only the device is left
+        interface.w4a16_grouped_gemm(**{**_args(), "early_weights": True})
+    with pytest.raises(ValueError, match="early_weights=True with gather=True"):
+        interface.W4a16GroupedSm90(interface.W4Epilogue("silu"), 16, gather=True, early_weights=True)
+
+
 def test_gather_rule():
     """GEMM1 gathers in the kernel up to one grouped row per expert on average (decode batches), above through a
     torch copy and TMA; only gated kernels gather."""

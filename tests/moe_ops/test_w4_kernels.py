@@ -86,3 +86,33 @@ def test_cuda_slot_packing_matches_the_reference_packer(kind, layout, n, k, offs
     want = wp.pack_mxfp4_experts(codes[idx.long()], scales[idx.long()], kind=kind, gate_layout=layout)
     used = slot_offsets[1:] > slot_offsets[:-1]
     assert torch.equal(got[used], want[used])
+
+
+@pytest.mark.parametrize("tiled_weights", [True, False], ids=["tiled", "codes"])
+@pytest.mark.parametrize("weights_early", [True, False])
+def test_gemm2_loads_weights_early_only_when_tiled(tiled_weights, weights_early, monkeypatch):
+    """down_reduce asks the kernel to read its offsets and start its weights before waiting for GEMM1
+    (early_weights) only when the caller says both were written before GEMM1 and the weights are tiled at load time:
+    codes as stored are re-laid per call by a kernel right before GEMM2, which GEMM2 must then wait for."""
+    from moe_ops import w4_pack_kernel
+
+    e, hidden, inter, p = 4, 128, 64, 6
+    calls = []
+
+    class Interface:
+        @staticmethod
+        def w4a16_down_reduce(a, packed, bias, offsets, topk_weights, inverse, **kwargs):
+            calls.append(kwargs["early_weights"])
+            return torch.zeros(p // 2, hidden, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(w4_pack_kernel, "pack_slots", lambda w, s, idx, offsets, **kw: torch.zeros(1, dtype=torch.int32))
+    if tiled_weights:
+        w, w_scale, w_dtype = torch.zeros(e, hidden, 68, dtype=torch.uint8), None, "mxfp4_tiled_rows"  # one chunk an expert
+    else:
+        w, w_scale, w_dtype = torch.zeros(e, hidden, inter // 2, dtype=torch.uint8), torch.zeros(e, hidden, inter // 32, dtype=torch.uint8), "mxfp4"
+    w4_kernels.down_reduce(
+        Interface, a=torch.zeros(p, inter, dtype=torch.bfloat16), w=w, w_scale=w_scale, w_dtype=w_dtype, bias=None,
+        expert_offsets=torch.tensor([0, 2, 2, 5, 6], dtype=torch.int32), topk_weights=torch.ones(p // 2, 2),
+        inverse=torch.arange(p, dtype=torch.int32), norm_weight=None, norm_eps=1e-6, weights_early=weights_early,
+    )  # fmt: skip
+    assert calls == [weights_early and tiled_weights]
