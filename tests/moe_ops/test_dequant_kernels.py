@@ -41,6 +41,7 @@ class ReferenceKernels:
     def __init__(self):
         self.calls = []
         self.w4 = False  # whether the w4a16 kernels (w4_kernels.py) were called
+        self.early = []  # each w4a16 GEMM's early_weights
 
     @staticmethod
     def _check(x, w, bias, offsets):
@@ -102,9 +103,11 @@ class ReferenceKernels:
         return formats.dequantize(codes, "mxfp4", (1, 32), scales)
 
     def w4a16_grouped_gemm(self, a, packed, offsets, *, n, activation=None, alpha=1.702, limit=7.0, bias=None,
-                           gate_layout=None, out=None, out_dtype=torch.float32, gather=None):  # fmt: skip
+                           gate_layout=None, out=None, out_dtype=torch.float32, gather=None, early_weights=False):  # fmt: skip
         assert a.dtype == torch.bfloat16 and a.is_contiguous() and offsets.shape == (packed.shape[0] + 1,)
         assert (gather is not None) == (activation is not None), "GEMM1 gathers its rows in the kernel; GEMM2 does not"
+        assert isinstance(early_weights, bool) and not (early_weights and gather is not None)
+        self.early.append(early_weights)
         if gather is not None:
             assert gather.dtype == torch.int32 and gather.dim() == 1
             a = a[gather.long()]
@@ -124,8 +127,9 @@ class ReferenceKernels:
         out[written] = h[written]
         return out
 
-    def w4a16_down_reduce(self, a, packed, bias, offsets, topk_weights, inverse, *, n, out=None, norm_weight=None, norm_eps=1e-6):
-        y = self.w4a16_grouped_gemm(a, packed, offsets, n=n, bias=bias, out_dtype=torch.bfloat16)
+    def w4a16_down_reduce(self, a, packed, bias, offsets, topk_weights, inverse, *, n, out=None, norm_weight=None, norm_eps=1e-6,
+                          early_weights=False):  # fmt: skip
+        y = self.w4a16_grouped_gemm(a, packed, offsets, n=n, bias=bias, out_dtype=torch.bfloat16, early_weights=early_weights)
         if norm_weight is not None:
             y = post_expert_norm(y, norm_weight, norm_eps)
         return weighted_reduce(y, topk_weights, inverse, offsets)
@@ -218,6 +222,8 @@ def test_compositions_match_the_op_chain(case, m, dtype, mapped):
     experts = q13.shape[0] if fp8 else min(ids.numel(), q13.shape[0])
     assert kernels.calls == [("gate_up", experts), ("down_reduce", experts)]
     assert kernels.w4 == w4_kernels.serves(*op_args(scheme.activation)[:1], *op_args(scheme.weight), dtype, "silu")
+    # codes as stored are re-laid by a kernel right before each w4a16 GEMM, which GEMM2 must wait for
+    assert kernels.early == ([False, False] if kernels.w4 else [])
     a_dtype = None if scheme.activation is None else scheme.activation.dtype
     assert got.dtype == dtype
     err = relative_error(got, want)
@@ -247,6 +253,8 @@ def test_tiled_mxfp4_composition_matches_the_op_chain(interleaved, m, rng):
     kernels = ReferenceKernels()
     got = _run_quantized(kernels, x, t13, t2, tw, act, b13, b2, None, tiled, offsets, gather_idx, inverse, None)
     assert kernels.w4 and kernels.calls == [("gate_up", e), ("down_reduce", e)]
+    # GEMM2 starts its tiled weights before waiting for GEMM1, which writes neither them nor the plan's offsets
+    assert kernels.early == [False, True]
     assert relative_error(got, want) <= tolerance(torch.bfloat16, None, fake_quant=True)
 
 
