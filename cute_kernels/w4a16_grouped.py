@@ -315,10 +315,11 @@ class W4a16GroupedSm90:
             )  # fmt: skip
         cute.arch.mbarrier_init_fence()
         # Launched as a programmatic dependent (PDL) of the kernel before (the routing plan, or GEMM1): its launch
-        # and this prologue overlap that kernel's end. Every global read comes after the wait, which returns once
-        # that kernel is complete; letting the next kernel launch then only queues its CTAs behind this one's.
-        # With early_weights the offsets are read before the wait (and past L1, which may hold an earlier launch's):
-        # the plan wrote them, and completed before the kernel before this one passed its own wait.
+        # and this prologue overlap that kernel's end. Global reads come after the wait, which returns once that
+        # kernel is complete; letting the next kernel launch then only queues its CTAs behind this one's. The
+        # exception, early_weights: the offsets (past L1, which may hold an earlier launch's) and the first unit's
+        # weights are read before it; the plan wrote the offsets and completed before the kernel before this one
+        # passed its own wait.
         if const_expr(not self.early):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
