@@ -26,6 +26,7 @@ from .quant.config import (
     tile_mxfp4_weights,
 )
 from .quant.scheme import UNQUANTIZED, QuantScheme
+from .router import Router
 from .routing import route
 
 # Per-expert checkpoint names -> (which stacked tensor, which part of it).
@@ -105,7 +106,8 @@ class FusedMoE(nn.Module):
         if dtype not in _checks.FLOAT_DTYPES:
             raise TypeError(f"dtype: got {dtype}; allowed: {', '.join(map(str, _checks.FLOAT_DTYPES))}")
         factory = dict(device=device, dtype=dtype)
-        self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
+        # nn.Linear's parameters and names; its forward is one kernel at decode sizes (router.py).
+        self.router = Router(hidden_size, num_experts, bias=False, **factory)
         self.n13 = (2 if self.activation.gated else 1) * intermediate_size
         self.e_score_correction_bias = (
             nn.Parameter(torch.zeros(num_experts, device=device, dtype=torch.float32), requires_grad=False) if correction_bias else None

@@ -175,14 +175,14 @@ FP8_PER_TOKEN = QuantScheme(ActivationQuant("fp8", PER_TOKEN), WeightQuant("fp8"
 @pytest.mark.parametrize(
     "scheme, expected",
     [
-        (None, ["route", "routing_plan", "grouped_gemm", "activation", "grouped_gemm", "weighted_reduce"]),
+        (None, ["router_linear", "route", "routing_plan", "grouped_gemm", "activation", "grouped_gemm", "weighted_reduce"]),
         (
             FP8_PER_TOKEN,
-            ["route", "routing_plan", "quantize", "grouped_gemm", "activation", "quantize", "grouped_gemm", "weighted_reduce"],
+            ["router_linear", "route", "routing_plan", "quantize", "grouped_gemm", "activation", "quantize", "grouped_gemm", "weighted_reduce"],
         ),
         (
             QuantScheme(None, WeightQuant("int4", GroupShape(1, 32))),  # weight-only: no activation quantization
-            ["route", "routing_plan", "grouped_gemm", "activation", "grouped_gemm", "weighted_reduce"],
+            ["router_linear", "route", "routing_plan", "grouped_gemm", "activation", "grouped_gemm", "weighted_reduce"],
         ),
     ],
     ids=["unquantized", "fp8_w8a8_per_token", "int4_w4a16"],
@@ -219,7 +219,7 @@ def test_aot_graph_keeps_the_ops_opaque():
     out = compiled(x)
     assert _unique_graphs() == 1
     assert _moe_ops_calls(aot_graphs[-1]) == [
-        "route", "routing_plan", "quantize", "grouped_gemm", "activation", "quantize", "grouped_gemm", "weighted_reduce",
+        "router_linear", "route", "routing_plan", "quantize", "grouped_gemm", "activation", "quantize", "grouped_gemm", "weighted_reduce",
     ]  # fmt: skip
     assert relative_error(out, model(x)) <= tolerance(torch.float32, "fp8", fake_quant=True)
 
@@ -280,9 +280,9 @@ def test_bad_input_under_compile_keeps_its_message(fullgraph):
 
 
 EXPORT_CHAINS = {
-    "unquantized": (None, ["route", "routing_plan", "grouped_gemm", "activation", "grouped_gemm", "weighted_reduce"]),
+    "unquantized": (None, ["router_linear", "route", "routing_plan", "grouped_gemm", "activation", "grouped_gemm", "weighted_reduce"]),
     "fp8_w8a8_per_token": (FP8_PER_TOKEN, [
-        "route", "routing_plan", "quantize", "grouped_gemm", "activation", "quantize", "grouped_gemm", "weighted_reduce",
+        "router_linear", "route", "routing_plan", "quantize", "grouped_gemm", "activation", "quantize", "grouped_gemm", "weighted_reduce",
     ]),
 }  # fmt: skip
 

@@ -15,6 +15,7 @@ from moe_ops.plan import routing_plan
 from moe_ops.quant.quantize import quantize
 from moe_ops.reduce import weighted_reduce
 from moe_ops.reference import moe_float64, relative_error, tolerance
+from moe_ops.router import router_linear_op
 from moe_ops.routing import route_op
 
 M, K, E, H, I = 5, 2, 4, 32, 16
@@ -26,6 +27,10 @@ def _plan(ids):
 
 def _route_args():
     return (torch.randn(M, E, requires_grad=True), K, "softmax", True, 0, 0, None, 1.0), 0
+
+
+def _router_linear_args():
+    return (torch.randn(M, H, requires_grad=True), torch.randn(E, H, requires_grad=True), torch.randn(E, requires_grad=True)), 0
 
 
 def _quantize_args():
@@ -52,6 +57,7 @@ def _weighted_reduce_args():
 # op -> (its args with float inputs requiring grad, the output the test sums for backward)
 OPS = {
     "route": (route_op, _route_args),
+    "router_linear": (router_linear_op, _router_linear_args),
     "quantize": (quantize, _quantize_args),
     "grouped_gemm": (grouped_gemm, _grouped_gemm_args),
     "activation": (activation_op, _activation_args),
