@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_ints import cdiv
 from .plan_kernel import compile_options, on_device
 
 
@@ -204,7 +205,7 @@ def decode_experts(
     if count == 0 or n == 0 or cols == 0:
         return out
     q = q.view(torch.int8) if fmt == "int8" else q.view(torch.uint8)
-    grid = (count, triton.cdiv(n, BLOCK_N), triton.cdiv(cols, BLOCK_C))
+    grid = (count, cdiv(n, BLOCK_N), cdiv(cols, BLOCK_C))
     with on_device(q.device):
         _decode_kernel[grid](
             q, scale.view(torch.uint8) if scale_code != "float" else scale, zero if zero is not None else scale,

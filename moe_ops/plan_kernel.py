@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .launch_ints import cdiv, next_power_of_2
+
 
 @triton.jit
 def _keys(ids_ptr, map_ptr, offs, mask, num_experts, num_global, HAS_MAP: tl.constexpr):
@@ -190,7 +192,7 @@ BLOCKS_LAUNCH = PlanLaunch("blocks", 8, block=512, scan=2048)
 def _bins(num_experts: int) -> int:
     """The blocks kernel's histogram bins: one per expert, rounded up to a power of two, at least 16 (the
     fewest timed on a GPU: mixtral's E = 8 under the old rule of next_power_of_2(E + 1))."""
-    return max(16, triton.next_power_of_2(num_experts))
+    return max(16, next_power_of_2(num_experts))
 
 
 def launch_config(num_pairs: int, num_experts: int) -> PlanLaunch:
@@ -198,7 +200,7 @@ def launch_config(num_pairs: int, num_experts: int) -> PlanLaunch:
     points on an H200 (v17, v26). By keys: the whole plan in one chunk, 8 warps from 512 pairs."""
     if num_pairs > KEYS_MAX_PAIRS:
         return BLOCKS_LAUNCH
-    p2 = max(16, triton.next_power_of_2(num_pairs))
+    p2 = max(16, next_power_of_2(num_pairs))
     return PlanLaunch("keys", 8 if num_pairs >= 512 else 4, chunk=p2)
 
 
@@ -275,7 +277,7 @@ def routing_plan_triton(
             )  # fmt: skip
             return offsets, gather, inverse
         bins = _bins(num_experts)
-        grid = max(1, triton.cdiv(num_pairs, launch.block))
+        grid = max(1, cdiv(num_pairs, launch.block))
         scratch = torch.empty(grid * (bins + 1), dtype=torch.int32, device=device)
         _routing_plan_by_blocks_kernel[(grid,)](
             ids, emap, offsets, gather, inverse, scratch, *sizes,

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .launch_ints import cdiv, next_power_of_2
 from .plan_kernel import compile_options, on_device, uses_grid_dependency
 
 # A row of experts lives in registers: up to this many positions (E, or with expert groups the groups
@@ -179,7 +180,7 @@ def _grid(num_experts: int, num_expert_group: int) -> tuple[int, int, int, int]:
     E) and the power-of-two grid of (group, place) positions that holds them."""
     groups = max(num_expert_group, 1)
     size = num_experts // groups
-    return groups, size, triton.next_power_of_2(groups), triton.next_power_of_2(size)
+    return groups, size, next_power_of_2(groups), next_power_of_2(size)
 
 
 def why_not(num_experts: int, num_expert_group: int) -> str | None:
@@ -201,7 +202,7 @@ def _launch_shape(m: int, positions: int, grouped: bool) -> tuple[int, int]:
     still give about _PROGRAMS programs (at most _TILE elements each), and a warp per 128 elements, 1
     to 8; with expert groups, whose group stage has more to do, a warp per 64 elements, 1 to 4
     (bench/NOTES.md v40 item 8)."""
-    block_m = max(1, min(triton.next_power_of_2(triton.cdiv(m, _PROGRAMS)), _TILE // positions))
+    block_m = max(1, min(next_power_of_2(cdiv(m, _PROGRAMS)), _TILE // positions))
     per_warp, most = (64, 4) if grouped else (128, 8)
     return block_m, max(1, min(most, block_m * positions // per_warp))
 
@@ -232,10 +233,10 @@ def route_triton(
     # covers all older work on the stream, since the kernel before it completes after its predecessors.
     grid_dependency = uses_grid_dependency(device)
     with on_device(device):
-        _route_kernel[(triton.cdiv(m, block_m),)](
+        _route_kernel[(cdiv(m, block_m),)](
             router_logits, bias, weights, ids, m, num_groups, group_size,
             router_logits.stride(0), router_logits.stride(1), float(routed_scaling_factor),
-            TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), SCORE=SCORES[scoring],
+            TOP_K=top_k, K_P2=next_power_of_2(top_k), SCORE=SCORES[scoring],
             HAS_BIAS=e_score_correction_bias is not None, RENORMALIZE=bool(renormalize),
             SCALED=float(routed_scaling_factor) != 1.0, BLOCK_M=block_m, G_P2=g_p2, S_P2=s_p2,
             TOPK_GROUP=topk_group if num_expert_group else 0,

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .launch_ints import cdiv, next_power_of_2
 from .plan_kernel import on_device, uses_grid_dependency
 
 # Where the kernel serves (router.py calls cuBLAS elsewhere; bench/NOTES.md v62): up to MAX_TOKENS
@@ -88,9 +89,9 @@ def launch_shape(m: int, h: int, e: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_E, BLOCK_H) for M tokens, H features and E experts: every token in one program
     row (M <= MAX_TOKENS), the fewest experts per program that still give about _PROGRAMS programs, and
     chunks of at most _TILE weights."""
-    block_e = triton.next_power_of_2(max(1, triton.cdiv(e, _PROGRAMS)))
-    block_h = min(triton.next_power_of_2(max(h, 16)), max(16, _TILE // block_e))
-    return triton.next_power_of_2(max(m, 1)), block_e, block_h
+    block_e = next_power_of_2(max(1, cdiv(e, _PROGRAMS)))
+    block_h = min(next_power_of_2(max(h, 16)), max(16, _TILE // block_e))
+    return next_power_of_2(max(m, 1)), block_e, block_h
 
 
 def router_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -104,7 +105,7 @@ def router_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     block_m, block_e, block_h = launch_shape(m, h, e)
     grid_dependency = uses_grid_dependency(x.device)
     with on_device(x.device):
-        _router_linear_kernel[(triton.cdiv(e, block_e), triton.cdiv(m, block_m))](
+        _router_linear_kernel[(cdiv(e, block_e), cdiv(m, block_m))](
             x, weight, bias if bias is not None else weight, out, m, h, e,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
             BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_H=block_h, HAS_BIAS=bias is not None, PDL=grid_dependency,

@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_ints import next_power_of_2
 from .plan_kernel import compile_options, on_device
 
 
@@ -32,7 +33,7 @@ def expert_slots_cuda(expert_offsets: torch.Tensor, num_experts: int, slots: int
     with on_device(expert_offsets.device):
         _slots_kernel[(1,)](
             expert_offsets, idx, slot_offsets, num_experts, slots,
-            BLOCK_E=triton.next_power_of_2(max(num_experts, 2)), BLOCK_S=triton.next_power_of_2(slots + 1),
+            BLOCK_E=next_power_of_2(max(num_experts, 2)), BLOCK_S=next_power_of_2(slots + 1),
             **compile_options(False),
         )  # fmt: skip
     return idx, slot_offsets

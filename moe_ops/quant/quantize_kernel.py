@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ..launch_ints import cdiv, next_power_of_2
 from ..plan_kernel import compile_options, on_device
 from .formats import _TINY, FP8_MAX, INT8_MAX
 from .quantize import ACTIVATION_STORAGE
@@ -104,14 +105,14 @@ def quantize_rows(
     if x.stride(1) != 1:
         x = x.contiguous()
     gc = 0 if group[1] == -1 else group[1]
-    groups = 1 if gc == 0 else triton.cdiv(cols, gc)
+    groups = 1 if gc == 0 else cdiv(cols, gc)
     q = torch.empty((rows, cols), dtype=ACTIVATION_STORAGE[dtype], device=x.device)
     static = scale is not None
     # One row: the per-tensor group lies within it, so its NaN or inf is not skipped but makes the scale
     # NaN or inf, as a per-row scale's (formats.group_amax): the per-row kernel, one launch, gives it.
     tensor = not static and group[0] == -1 and rows != 1
     limit = _LIMITS[dtype]
-    block = triton.next_power_of_2(gc or cols)
+    block = next_power_of_2(gc or cols)
     if static:
         out_scale = scale.reshape(1, 1).float().clone()
     else:
