@@ -93,7 +93,7 @@ def linear_rows(names, tokens) -> None:
 
 
 def sweep_rows(names, tokens) -> None:
-    print("| shape | M | rule (BLOCK_E, BLOCK_H) µs | best (BLOCK_E, BLOCK_H, warps) µs | all |")
+    print("| shape | M | rule (BLOCK_E, BLOCK_H, warps) µs | best (BLOCK_E, BLOCK_H, warps) µs | fastest six |")
     print("|---|---|---|---|---|")
     for name in names:
         e, h, _, _ = SHAPES[name]
@@ -102,7 +102,8 @@ def sweep_rows(names, tokens) -> None:
                 continue
             xs, w, b = inputs(name, m)
             _, rule_e, rule_h = router_kernel.launch_shape(m, h, e)
-            shapes = {(rule_e, rule_h, 4)}
+            rule = (rule_e, rule_h, router_kernel._WARPS)
+            shapes = {rule}
             for block_e in (1, 2, 4):
                 for block_h in (1024, 2048, 4096):
                     for warps in (4, 8):
@@ -112,7 +113,7 @@ def sweep_rows(names, tokens) -> None:
             t = {s: us / CALLS for s, us in bench.alternating_times_us(fns, rounds=3, replays=3).items()}
             best = min(t, key=t.get)
             listed = " ".join(f"{s}:{v:.2f}" for s, v in sorted(t.items(), key=lambda kv: kv[1])[:6])
-            print(f"| {name} | {m} | ({rule_e}, {rule_h}) {t[(rule_e, rule_h, 4)]:.2f} | {best} {t[best]:.2f} | {listed} |", flush=True)
+            print(f"| {name} | {m} | {rule} {t[rule]:.2f} | {best} {t[best]:.2f} | {listed} |", flush=True)
 
 
 def layer_rows(tokens) -> None:

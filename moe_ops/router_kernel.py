@@ -29,7 +29,10 @@ from .plan_kernel import on_device, uses_grid_dependency
 # 0.8-1.5 µs slower with it in three of four runs: not taken.
 MAX_TOKENS = 4
 _WORK = 32768
-_PROGRAMS = 128  # programs the grid aims for: about one per SM, so the weights stream from all of them
+# Programs the grid aims for: about one per SM, so the weights stream from all of them; from 4 tokens
+# half as many, each with twice the experts, which read x's rows half as often (0.2-0.5 µs less at M = 4
+# for Qwen3, gpt-oss and Mixtral, bench/NOTES.md v62).
+_PROGRAMS = {1: 128, 2: 128, 4: 64}
 _TILE = 8192  # weight elements per chunk (BLOCK_E x BLOCK_H): 32 float32 registers a thread
 _WARPS = 8
 
@@ -87,11 +90,12 @@ def serves(m: int, h: int, e: int) -> bool:
 
 def launch_shape(m: int, h: int, e: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_E, BLOCK_H) for M tokens, H features and E experts: every token in one program
-    row (M <= MAX_TOKENS), the fewest experts per program that still give about _PROGRAMS programs, and
-    chunks of at most _TILE weights."""
-    block_e = next_power_of_2(max(1, cdiv(e, _PROGRAMS)))
+    row (M <= MAX_TOKENS), the fewest experts per program that still give about _PROGRAMS[BLOCK_M]
+    programs, and chunks of at most _TILE weights."""
+    block_m = next_power_of_2(max(m, 1))
+    block_e = next_power_of_2(max(1, cdiv(e, _PROGRAMS[min(block_m, MAX_TOKENS)])))
     block_h = min(next_power_of_2(max(h, 16)), max(16, _TILE // block_e))
-    return next_power_of_2(max(m, 1)), block_e, block_h
+    return block_m, block_e, block_h
 
 
 def router_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

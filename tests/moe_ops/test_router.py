@@ -75,13 +75,16 @@ def test_kernel_matches_float64_in_interpreter(rng):
     assert out.startswith("same"), out
 
 
-def test_launch_shape_spreads_experts_over_about_128_programs():
+def test_launch_shape_spreads_experts_over_about_128_or_64_programs():
     from moe_ops.router_kernel import MAX_TOKENS, launch_shape
 
     assert launch_shape(1, 2048, 128) == (1, 1, 2048)  # qwen3: one expert a program
-    assert launch_shape(3, 7168, 256) == (4, 2, 4096)  # deepseek: two experts, chunks of 4096
-    assert launch_shape(MAX_TOKENS, 2880, 128) == (4, 1, 4096)  # gpt-oss: all of H in one chunk
-    assert launch_shape(1, 4096, 8) == (1, 1, 4096)
+    assert launch_shape(2, 7168, 256) == (2, 2, 4096)  # deepseek: two experts, chunks of 4096
+    assert launch_shape(1, 4096, 8) == (1, 1, 4096)  # mixtral: 8 programs
+    # From 4 tokens about 64 programs: qwen3 and gpt-oss (all of H in one chunk) two experts a program.
+    assert launch_shape(3, 2048, 128) == (4, 2, 2048)
+    assert launch_shape(MAX_TOKENS, 2880, 128) == (4, 2, 4096)
+    assert launch_shape(3, 7168, 256) == (4, 4, 2048)
 
 
 def test_kernel_serves_decode_sizes_where_it_beat_cublas():
