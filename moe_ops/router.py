@@ -76,14 +76,19 @@ def router_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return router_linear_op(x, weight, bias)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 class Router(torch.nn.Linear):
     """nn.Linear(H, E) whose forward is router_linear: x [..., H] -> [..., E], with nn.Linear's
-    parameters, state-dict names and hooks. Under autocast it runs nn.Linear's forward, which autocast
-    casts (custom ops are not cast)."""
+    parameters, state-dict names and hooks. It runs nn.Linear's own forward under autocast, which casts
+    F.linear but not custom ops, and where a parameter is a tensor subclass (a quantization library's
+    weight swapped into this nn.Linear, say), which F.linear dispatches and the kernel cannot read."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plain = all(type(p) in _PLAIN for p in (x, self.weight, self.bias) if p is not None)
         # Meta tensors have no autocast (asking raises); they run the op's fake impl.
-        if x.dim() < 1 or (x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)):
+        if not plain or x.dim() < 1 or (x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)):
             return super().forward(x)
         logits = router_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
         return logits.reshape(*x.shape[:-1], logits.shape[-1])

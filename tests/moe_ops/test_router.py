@@ -158,6 +158,25 @@ def test_router_under_autocast_runs_nn_linear():
     assert_matches_float64(out, x.bfloat16(), router.weight.detach().bfloat16(), None)
 
 
+class Tagged(torch.Tensor):
+    """A tensor subclass that F.linear dispatches through __torch_function__ (as a quantization
+    library's weights are) and that keeps its type through it."""
+
+
+def test_router_with_a_tensor_subclass_weight_runs_nn_linear(monkeypatch):
+    """A parameter swapped for a tensor subclass goes to nn.Linear's forward (F.linear dispatches it);
+    the op, which reads plain tensors, is not called."""
+    import moe_ops.router as router_module
+
+    router = Router(16, 6, bias=False)
+    router.weight = torch.nn.Parameter(router.weight.detach().as_subclass(Tagged))
+    monkeypatch.setattr(router_module, "router_linear", lambda *args: pytest.fail("the op was called"))
+    x = torch.randn(3, 16)
+    out = router(x)
+    assert type(out) is Tagged
+    assert_matches_float64(out.as_subclass(torch.Tensor), x, router.weight.detach().as_subclass(torch.Tensor), None)
+
+
 def test_layer_routes_through_the_op_and_compiles_fullgraph():
     """FusedMoE's router is a Router; compiled (fullgraph, dynamic) the graph calls moe_ops::router_linear,
     and eager and compiled route alike."""
