@@ -180,6 +180,11 @@ def _route_cuda(router_logits, top_k, scoring, renormalize, num_expert_group, to
     """One Triton kernel (route_kernel.py) where it serves the sizes, else the reference ops above. The
     same ids and, to float32 rounding, the same weights either way."""
     check_route_args(router_logits, top_k, scoring, renormalize, num_expert_group, topk_group, bias, scale)
+    return _run_cuda(router_logits, top_k, scoring, renormalize, num_expert_group, topk_group, bias, scale)
+
+
+def _run_cuda(router_logits, top_k, scoring, renormalize, num_expert_group, topk_group, bias, scale):
+    """_route_cuda on arguments already checked."""
     from .route_kernel import route_triton, why_not
 
     why = why_not(router_logits.shape[1], num_expert_group)
@@ -238,7 +243,7 @@ def route(
     if eager_kernels.applies(router_logits) and not eager_kernels.needs_grad(router_logits, e_score_correction_bias):
         # An eager CUDA call that autograd does not need: the op's CUDA impl without the dispatcher, which
         # cost ~100 µs of host time per call (bench/NOTES.md v41 item 3). The same outputs.
-        return _route_cuda(*args, float(routed_scaling_factor))
+        return _run_cuda(*args, float(routed_scaling_factor))
     return route_op(*args, float(routed_scaling_factor))
 
 
