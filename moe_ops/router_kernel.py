@@ -1,5 +1,5 @@
 """The router's linear at decode sizes in one Triton kernel: logits [M, E] = x [M, H] @ weight[E, H]^T
-(+ bias), at decode sizes.
+(+ bias [E]).
 
 Why: at M = 1 cuBLAS runs the router's linear as a split-K GEMM and a reduce, two launches of 5-6 µs
 together in a CUDA graph, for 0.5-0.8 MB of weights; one kernel that gives each program a few experts'
