@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import _checks, eager_kernels, forward_only
 
@@ -77,7 +78,9 @@ def router_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return router_linear_op(x, weight, bias)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# Tensors the kernel reads as they are; FakeTensor stands for a plain one while torch.export traces
+# without Dynamo (its default, non-strict mode).
+_PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)
 
 
 class Router(torch.nn.Linear):
