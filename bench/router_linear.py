@@ -47,19 +47,6 @@ def host_us(fn, calls: int = 2000) -> float:
     return elapsed / calls * 1e6
 
 
-def launch(x, w, b, block_e: int, block_h: int, warps: int) -> torch.Tensor:
-    """The kernel at a given launch shape (router_linear_triton's launch otherwise)."""
-    m, h = x.shape
-    e = w.shape[0]
-    out = torch.empty(m, e, dtype=x.dtype, device=x.device)
-    router_kernel._router_linear_kernel[(triton.cdiv(e, block_e), 1)](
-        x, w, b if b is not None else w, out, m, h, e, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_E=block_e, BLOCK_H=block_h, HAS_BIAS=b is not None, PDL=True,
-        num_warps=warps, **router_kernel.compile_options(True),
-    )  # fmt: skip
-    return out
-
-
 def inputs(name: str, m: int):
     e, h, _, bias = SHAPES[name]
     w = (torch.randn(e, h, device="cuda") / h**0.5).bfloat16()
@@ -109,7 +96,7 @@ def sweep_rows(names, tokens) -> None:
                     for warps in (4, 8):
                         if block_e * block_h <= 8192 and block_h <= triton.next_power_of_2(h) and block_e <= e:
                             shapes.add((block_e, block_h, warps))
-            fns = {s: (lambda s=s: [launch(x, w, b, *s) for x in xs]) for s in sorted(shapes)}
+            fns = {s: (lambda s=s: [router_kernel.router_linear_triton(x, w, b, s) for x in xs]) for s in sorted(shapes)}
             t = {s: us / CALLS for s, us in bench.alternating_times_us(fns, rounds=3, replays=3).items()}
             best = min(t, key=t.get)
             listed = " ".join(f"{s}:{v:.2f}" for s, v in sorted(t.items(), key=lambda kv: kv[1])[:6])
@@ -149,18 +136,16 @@ def layer_rows(tokens) -> None:
 def host_rows() -> None:
     """Host µs per eager call at qwen3's M = 1 (inference_mode, no sync): where the op's host time goes."""
     from moe_ops.router import check_router_args
-    from moe_ops.router_kernel import launch_shape, router_linear_triton
+    from moe_ops.router_kernel import router_linear_triton
 
     xs, w, b = inputs("qwen3-30b-a3b", 1)
     x = xs[0]
     logits = F.linear(x, w)
-    _, block_e, block_h = launch_shape(1, x.shape[1], w.shape[0])
     fns = {
         "F.linear": lambda: F.linear(x, w),
         "router_linear": lambda: router_linear(x, w),
         "check_router_args": lambda: check_router_args(x, w, None),
         "router_linear_triton": lambda: router_linear_triton(x, w, None),
-        "kernel launch alone": lambda: launch(x, w, None, block_e, block_h, router_kernel._WARPS),
         "route": lambda: moe_ops.route(logits, 8),
     }
     with torch.inference_mode():

@@ -13,6 +13,8 @@ It serves up to MAX_TOKENS tokens and _WORK products a program (`serves`).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -88,6 +90,7 @@ def serves(m: int, h: int, e: int) -> bool:
     return m <= MAX_TOKENS and m * launch_shape(m, h, e)[1] * h <= _WORK
 
 
+@functools.lru_cache(maxsize=None)  # serves() and every launch ask it: a few sizes per model
 def launch_shape(m: int, h: int, e: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_E, BLOCK_H) for M tokens, H features and E experts: every token in one program
     row (M <= MAX_TOKENS), the fewest experts per program that still give about _PROGRAMS[BLOCK_M]
@@ -98,21 +101,27 @@ def launch_shape(m: int, h: int, e: int) -> tuple[int, int, int]:
     return block_m, block_e, block_h
 
 
-def router_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def router_linear_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, launch: tuple[int, int, int] | None = None
+) -> torch.Tensor:
     """x [M, H] @ weight [E, H]^T (+ bias [E]) -> logits [M, E] in x's dtype, contiguous; arguments
-    checked by the caller (router.check_router_args), for sizes it serves."""
+    checked by the caller (router.check_router_args), for sizes it serves. launch (BLOCK_E, BLOCK_H,
+    warps) overrides launch_shape's and _WARPS; bench/router_linear.py sweeps it."""
     m, h = x.shape
     e = weight.shape[0]
     out = torch.empty(m, e, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     block_m, block_e, block_h = launch_shape(m, h, e)
+    warps = _WARPS
+    if launch is not None:
+        block_e, block_h, warps = launch
     grid_dependency = uses_grid_dependency(x.device)
     with on_device(x.device):
         _router_linear_kernel[(cdiv(e, block_e), cdiv(m, block_m))](
             x, weight, bias if bias is not None else weight, out, m, h, e,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
             BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_H=block_h, HAS_BIAS=bias is not None, PDL=grid_dependency,
-            num_warps=_WARPS, **compile_options(grid_dependency),
+            num_warps=warps, **compile_options(grid_dependency),
         )  # fmt: skip
     return out

@@ -64,6 +64,8 @@ _SCRIPT = textwrap.dedent(
     for case in KERNEL_CASES:
         args = make_args(*case)
         assert_matches_float64(router_linear_triton(*args), *args, tolerance=INTERPRETER_TOLERANCE)
+        # A launch the bench's sweep may pick: two experts a program, chunks of 64 (many chunks).
+        assert_matches_float64(router_linear_triton(*args, launch=(2, 64, 4)), *args, tolerance=INTERPRETER_TOLERANCE)
     print("same", len(KERNEL_CASES))
     """
 )
