@@ -27,14 +27,6 @@ FAKE_QUANT_TOLERANCE = {None: 0.0, "fp8": 2e-3, "int8": 1e-3, "int8_static": 1e-
 # 4-bit codes flip by larger steps: over 30 seeds its layer of 32 pairs (M = 16, E = 64) erred 0.031 at
 # the median and 0.043 at most (bench/NOTES.md v51), hence 2e-2 there.
 DECODED_OPERANDS_TOLERANCE = {None: 0.0, "fp8": 1e-2, "int8": 1e-2, "int8_static": 1e-2, "nvfp4": 2e-2}
-# ... or this much where the kernels multiply fp8 codes on the tensor cores (fp8_kernels.py), for the same
-# reason: within a 128-element k-tile the tensor cores sum fp8 products with less than fp32's precision,
-# which moves GEMM1's bf16 output across GEMM2's code boundaries. Measured on an H200 (bf16 layer, fp8 per
-# token, tests/lowering/test_pass.py's layer, against moe_float64 with fused_activation): M = 13, 200 seeds:
-# median 0.0072, p99 0.020, at most 0.028; M = 1, 100 seeds: median 0.0047, p99 0.025, at most 0.041 (one
-# seed over 0.032: at M = 1 a flipped code weighs most). Not wider: fp8 quantization left out of a layer
-# errs ~0.04, which the check must still catch (bench/NOTES.md v55).
-FP8_MMA_TOLERANCE = {None: 0.0, "fp8": 1e-2}
 # How far a layer's GEMM2 input may lie from the float64 one, relative to its row's max |value|, for
 # float64_reference's tie_margin. Measured in float32 on 200 layers each of tests/lowering/test_pass.py's
 # fp8 block, fp8 per tensor, int8 static and nvfp4 recipes (H = I = 128, M = 1 and 13): at most 1.35e-6
@@ -42,14 +34,12 @@ FP8_MMA_TOLERANCE = {None: 0.0, "fp8": 1e-2}
 TIE_MARGIN = {torch.float32: 1e-5}
 
 
-def tolerance(dtype: torch.dtype, activation_quant: str | None = None, fake_quant: bool = False, decoded: bool = False,
-              fp8_mma: bool = False) -> float:  # fmt: skip
+def tolerance(dtype: torch.dtype, activation_quant: str | None = None, fake_quant: bool = False, decoded: bool = False) -> float:
     """The allowed relative error of a layer in `dtype` whose activations are quantized to
     `activation_quant` (None: not quantized), against moe_float64; decoded: the layer multiplies
-    operands decoded to `dtype` (DECODED_OPERANDS_TOLERANCE); fp8_mma: it multiplies fp8 codes on the
-    tensor cores (FP8_MMA_TOLERANCE)."""
+    operands decoded to `dtype` (DECODED_OPERANDS_TOLERANCE)."""
     table = FAKE_QUANT_TOLERANCE if fake_quant else ACTIVATION_QUANT_TOLERANCE
-    extra = (DECODED_OPERANDS_TOLERANCE[activation_quant] if decoded else 0.0) + (FP8_MMA_TOLERANCE[activation_quant] if fp8_mma else 0.0)
+    extra = DECODED_OPERANDS_TOLERANCE[activation_quant] if decoded else 0.0
     return DTYPE_TOLERANCE[dtype] + table[activation_quant] + extra
 
 

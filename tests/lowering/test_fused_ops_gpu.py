@@ -10,10 +10,12 @@ import torch
 import lowering
 from lowering.fused_ops import down_reduce, gate_up
 from moe_ops.plan import routing_plan
+from moe_ops.quant.quantize import quantize
 from moe_ops.reference import moe_float64, relative_error, tolerance
 
 from ..decoders import decode_weight
 from .cases import on
+from .fp8_stages import check_fp8_rows, down_from_codes, pair_activations, x_codes_float64
 from .test_pass import E, build_layer, opcheck
 
 pytestmark = pytest.mark.gpu
@@ -31,32 +33,38 @@ def _hopper():
 def test_kernel_ops_opcheck_and_float64(recipe, m):
     """opcheck of gate_up (with and without the expert_ids hint), down_reduce and routing_plan on CUDA,
     with require_kernels set so a reference fallback would raise; then the layer the kernels compute
-    (gate_up's intermediate fed to down_reduce) against moe_float64."""
+    (gate_up's intermediate fed to down_reduce) against moe_float64, or with an fp8 intermediate each
+    stage against float64 (fp8_stages.py)."""
     gu, dr, c = build_layer(recipe, m)
     gu, ids = on(gu, "cuda"), c["topk_ids"].cuda()
     with lowering.enabled(require_kernels=True):
         opcheck(routing_plan, [ids, E, None])
         opcheck(gate_up, gu)
         opcheck(gate_up, [*gu, ids])
-        inter, _ = gate_up(*gu)
-        dr = on([inter, *dr[1:]], "cuda")
+        inter, inter_scale = gate_up(*gu)
+        # down_reduce takes the intermediate's scale where it is quantized (build_layer's is the CPU chain's)
+        dr = on([inter, None if dr[1] is None else inter_scale, *dr[2:]], "cuda")
         opcheck(down_reduce, dr)
         out = down_reduce(*dr)
     t13, t2, wq, aq = c["t13"], c["t2"], c["scheme"].weight, c["scheme"].activation
     w13 = decode_weight(c["q13"], wq, t13["w_scale"], t13["w_global_scale"], t13["w_zero"])
     w2 = decode_weight(c["q2"], wq, t2["w_scale"], t2["w_global_scale"], t2["w_zero"])
     config = c["config"]
-    # Quantized activations: the reference re-applies their quantization, and rounds the activation's
-    # output to the layer's dtype before it as the kernel does (which applies the activation to its float32
-    # sums: fused_activation; the op chain's extra rounding of GEMM1's output would shift codes). The
-    # kernels multiply fp8 codes on the tensor cores (FP8_MMA_TOLERANCE).
-    act_quant = None if aq is None else (aq.dtype, aq.group.astuple(), t13["a_scale"], t2["a_scale"], None, None)
+    if aq is not None:
+        # fp8 per token: each stage against float64 on its own (fp8_stages says why not the whole layer).
+        assert (aq.dtype, aq.group.astuple()) == ("fp8", (1, -1)), f"no stage-wise check for {aq}"
+        rows = dr[14].long().cpu()  # the grouped row of each pair
+        xq = x_codes_float64(*quantize(gu[0], "fp8", [1, -1], None, None))  # GEMM1's input, as gate_up quantizes it
+        a64 = pair_activations(xq, w13, config.w13_bias, c["topk_ids"], c["act"])
+        check_fp8_rows(inter.cpu()[rows], dr[1].cpu()[rows], a64)
+        ref = down_from_codes(inter, dr[1], w2, config.w2_bias, c["topk_weights"], c["topk_ids"], rows)
+        err = relative_error(out.cpu(), ref)
+        assert err <= tolerance(c["dtype"]), f"down_reduce given gate_up's codes: relative error {err} against float64"
+        return
     ref = moe_float64(c["x"], w13, w2, c["topk_weights"], c["topk_ids"], activation=c["act"],
-                      w13_bias=config.w13_bias, w2_bias=config.w2_bias, act_quant=act_quant,
-                      intermediate_dtype=None if aq is None else c["dtype"], fused_activation=True)  # fmt: skip
+                      w13_bias=config.w13_bias, w2_bias=config.w2_bias)  # fmt: skip
     err = relative_error(out.cpu(), ref)
-    tol = tolerance(c["dtype"], None if aq is None else aq.dtype, fake_quant=aq is not None, fp8_mma=aq is not None and aq.dtype == "fp8")
-    assert err <= tol, f"relative error {err} against moe_float64"
+    assert err <= tolerance(c["dtype"]), f"relative error {err} against moe_float64"
 
 
 def test_router_weights_off_a_16_byte_boundary_run_the_reference(monkeypatch):
