@@ -52,9 +52,10 @@ def _check_expert_map(expert_map, num_experts: int) -> int:
 
 def check_inputs(
     hidden_states, w13, w2, topk_weights, topk_ids, act: Activation, config: QuantConfig, w13_bias, w2_bias, expert_map,
-    norm: PostExpertNorm | None = None,
+    norm: PostExpertNorm | None = None, check_ids: bool = True,
 ) -> LayerShape:
-    """Validate everything fused_experts receives; raise ValueError/TypeError naming the argument."""
+    """Validate everything fused_experts receives; raise ValueError/TypeError naming the argument.
+    check_ids=False skips the eager value check of topk_ids (for ids from moe_ops.route)."""
     for name, t in (("hidden_states", hidden_states), ("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         _checks.expect_tensor(name, t)
     for name, t in (("w13_bias", w13_bias), ("w2_bias", w2_bias), ("expert_map", expert_map)):
@@ -123,9 +124,10 @@ def check_inputs(
             _checks.expect_tensor(name, bias)
             _checks.expect_shape(name, bias, (num_experts, n), "[E, N]")
             _checks.expect_dtype(name, bias, _checks.FLOAT_DTYPES)
-    _checks.expect_values_in_range(
-        "topk_ids", topk_ids, 0, num_global, "expert ids" + (" (global, indexing expert_map)" if expert_map is not None else "")
-    )
+    if check_ids:
+        _checks.expect_values_in_range(
+            "topk_ids", topk_ids, 0, num_global, "expert ids" + (" (global, indexing expert_map)" if expert_map is not None else "")
+        )
     check_device_supports(config.name, device)
     return LayerShape(num_experts, num_global, hidden, intermediate, n13, top_k)
 
@@ -161,6 +163,7 @@ def fused_experts(
     expert_map: torch.Tensor | None = None,
     apply_router_weight_on_input: bool = False,
     post_expert_norm: PostExpertNorm | None = None,
+    _ids_from_route: bool = False,
 ) -> torch.Tensor:
     """The experts of a MoE layer: out[m] = sum_j topk_weights[m, j] * expert_{topk_ids[m, j]}(hidden_states[m]).
 
@@ -174,7 +177,9 @@ def fused_experts(
     expert_norm.py). Returns [M, H] in hidden_states' dtype.
 
     Eager calls check expert ids against [0, E_global) (a host sync); compiled and CUDA-graph-captured
-    calls skip that check and treat an out-of-range id like an expert on another rank. An eager call on
+    calls skip that check and treat an out-of-range id like an expert on another rank. (_ids_from_route,
+    internal: FusedMoE's ids come from its own moe_ops.route, in range by construction, so its eager
+    calls skip the check and its sync.) An eager call on
     an sm_90 GPU runs the CuTe DSL kernels where they serve it, else the op chain with a warning once
     per reason (eager_kernels.py); compiled, the chain is what the lowering fuses.
     """
@@ -195,7 +200,8 @@ def fused_experts(
     w13_bias = w13_bias if w13_bias is not None else config.w13_bias
     w2_bias = w2_bias if w2_bias is not None else config.w2_bias
     shape = check_inputs(
-        hidden_states, w13, w2, topk_weights, topk_ids, act, config, w13_bias, w2_bias, expert_map, post_expert_norm
+        hidden_states, w13, w2, topk_weights, topk_ids, act, config, w13_bias, w2_bias, expert_map, post_expert_norm,
+        check_ids=not _ids_from_route,
     )
     if apply_router_weight_on_input:
         if shape.top_k != 1:

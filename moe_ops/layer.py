@@ -254,10 +254,12 @@ class FusedMoE(nn.Module):
         # Under autocast unquantized experts run in the layer's dtype (the ops take activations in the
         # weights' dtype; autocast does not reach custom ops) and the output comes back in the input's.
         experts_x = x.to(self.w13.dtype) if self.scheme.weight is None else x
+        # The ids come from route() over this layer's E experts: in range, so an eager call skips their
+        # value check, a host sync that would stall the host until the GPU caught up.
         out = fused_experts(
             experts_x, self.w13, self.w2, topk_weights, topk_ids,
             activation=self.activation, quant_config=self._quant_config,
-            w13_bias=self.w13_bias, w2_bias=self.w2_bias,
+            w13_bias=self.w13_bias, w2_bias=self.w2_bias, _ids_from_route=True,
         )  # fmt: skip
         return out.to(hidden_states.dtype).reshape(shape)
 

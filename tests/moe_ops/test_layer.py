@@ -15,6 +15,7 @@ from moe_ops.quant import formats
 from moe_ops.reference import moe_float64, relative_error, tolerance
 
 from ..decoders import decode_weight
+from ..host_reads import no_host_reads
 from ..seeds import generator
 
 E, TOP_K, H, I = 8, 2, 64, 32
@@ -91,6 +92,22 @@ def test_forward_matches_float64(kwargs):
     out = _forward(layer, x)
     assert out.shape == x.shape and out.dtype == torch.float32
     assert relative_error(out, _reference(layer, x)) <= F32_TOL
+
+
+def test_forward_reads_no_values_on_the_host():
+    """A layer's ids come from its own route(), in range by construction: an eager forward skips
+    fused_experts' id check, the one value check that would read them back (a host sync on a GPU),
+    while a direct fused_experts call with the same ids still makes it."""
+    layer = _layer()
+    x = torch.randn(5, H)
+    with torch.no_grad():
+        want = _forward(layer, x)
+        with no_host_reads():
+            got = _forward(layer, x)
+        assert torch.equal(got, want)
+        tw, ids = layer.routing_for(x)
+        with no_host_reads(), pytest.raises(AssertionError, match="host sync"):
+            moe_ops.fused_experts(x, layer.w13, layer.w2, tw, ids)
 
 
 def test_forward_zero_tokens():
