@@ -108,7 +108,7 @@ def layer_rows(tokens) -> None:
     the layer's Router against an nn.Linear with the same weights."""
     print("| layer | M | with nn.Linear µs | with Router µs | host µs per eager call, nn.Linear / Router |")
     print("|---|---|---|---|---|")
-    for name, (e, k, h, i) in (("qwen3-30b-a3b", (128, 8, 2048, 768)), ("gpt-oss-120b", (128, 4, 2880, 2880))):
+    for name, (e, k, h, i) in (("qwen3-30b-a3b", (128, 8, 2048, 768)), ("gpt-oss-120b", (128, 4, 2880, 2880)), ("mixtral", (8, 2, 4096, 14336))):
         layer = moe_ops.FusedMoE(e, k, h, i, dtype=torch.bfloat16, device="cuda")
         router = layer.router
         plain = torch.nn.Linear(h, e, bias=False, dtype=torch.bfloat16, device="cuda")

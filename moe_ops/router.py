@@ -1,7 +1,7 @@
 """moe_ops::router_linear: the router's logits, x [M, H] @ weight [E, H]^T (+ bias [E]) -> [M, E] in x's
 dtype, as torch.nn.functional.linear computes them; and `Router`, the nn.Linear that FusedMoE routes with.
 
-Why an op of its own: at decode sizes (router_kernel.serves: up to 4 tokens, fewer for wide routers) a
+Why an op of its own: at decode sizes (router_kernel.serves: up to 8 tokens, fewer for wide routers) a
 CUDA call runs one Triton kernel (router_kernel.py) where cuBLAS runs a split-K GEMM and a reduce: 3-4
 µs less per layer in a CUDA graph at M = 1-4 for Qwen3-MoE and gpt-oss shapes (bench/NOTES.md v62);
 elsewhere it calls cuBLAS (F.linear), whose tiles win there. Every other device runs F.linear. The

@@ -24,17 +24,18 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .launch_ints import cdiv, next_power_of_2
 from .plan_kernel import on_device, uses_grid_dependency
 
-# Where the kernel serves (router.py calls cuBLAS elsewhere; bench/NOTES.md v62): up to MAX_TOKENS
+# Where the kernel serves (router.py calls cuBLAS elsewhere; bench/NOTES.md v62, v63): up to MAX_TOKENS
 # tokens, and up to _WORK products a program (M x BLOCK_E x H). Past _WORK each program's sums take
-# longer than cuBLAS's split-K GEMM and its reduce (DeepSeek-V3 at M = 4: 8.1 against 6.5 µs, H200).
-# At M = 8 the kernel alone still wins (Qwen3: 4.6 against 5.1-5.3 µs), yet the layer measured
-# 0.8-1.5 µs slower with it in three of four runs: not taken.
-MAX_TOKENS = 4
+# longer than cuBLAS's split-K GEMM and its reduce (DeepSeek-V3 at M = 4: 8.1 against 6.5 µs, H200), and
+# gpt-oss' layer at M = 8 (46080 a program) read 0.9 µs slower with the kernel though the kernel alone
+# was 0.8 µs faster; Qwen3's at M = 6 and 8 (32768) 0.6-0.9 µs faster. Past 8 tokens not measured.
+MAX_TOKENS = 8
 _WORK = 32768
 # Programs the grid aims for: about one per SM, so the weights stream from all of them; from 4 tokens
 # half as many, each with twice the experts, which read x's rows half as often (0.2-0.5 µs less at M = 4
-# for Qwen3, gpt-oss and Mixtral, bench/NOTES.md v62).
-_PROGRAMS = {1: 128, 2: 128, 4: 64}
+# for Qwen3, gpt-oss and Mixtral, bench/NOTES.md v62; at M = 8, 128 programs had cost Qwen3's layer
+# 0.8-1.5 µs in three runs of four).
+_PROGRAMS = {1: 128, 2: 128, 4: 64, 8: 64}
 _TILE = 8192  # weight elements per chunk (BLOCK_E x BLOCK_H): 32 float32 registers a thread
 _WARPS = 8
 

@@ -85,18 +85,20 @@ def test_launch_shape_spreads_experts_over_about_128_or_64_programs():
     assert launch_shape(1, 4096, 8) == (1, 1, 4096)  # mixtral: 8 programs
     # From 4 tokens about 64 programs: qwen3 and gpt-oss (all of H in one chunk) two experts a program.
     assert launch_shape(3, 2048, 128) == (4, 2, 2048)
-    assert launch_shape(MAX_TOKENS, 2880, 128) == (4, 2, 4096)
+    assert launch_shape(4, 2880, 128) == (4, 2, 4096)
     assert launch_shape(3, 7168, 256) == (4, 4, 2048)
+    assert launch_shape(MAX_TOKENS, 2048, 128) == (8, 2, 2048)  # qwen3 at 8 tokens: 64 programs too
 
 
 def test_kernel_serves_decode_sizes_where_it_beat_cublas():
-    """The measured rule (bench/NOTES.md v62): up to 4 tokens, and up to 32768 products a program."""
+    """The measured rule (bench/NOTES.md v62, v63): up to 8 tokens, and up to 32768 products a program."""
     from moe_ops.router_kernel import serves
 
-    for m in range(1, 5):
-        assert serves(m, 2048, 128) and serves(m, 2880, 128) and serves(m, 4096, 8), m  # qwen3, gpt-oss, mixtral
+    for m in range(1, 9):
+        assert serves(m, 2048, 128) and serves(m, 4096, 8), m  # qwen3, mixtral
+    assert serves(5, 2880, 128) and not serves(6, 2880, 128)  # gpt-oss: 2 experts a program from 5 tokens
     assert serves(2, 7168, 256) and not serves(3, 7168, 256)  # deepseek-v3: 2 experts a program
-    assert not serves(5, 2048, 128) and not serves(5, 64, 8)
+    assert not serves(9, 2048, 128) and not serves(9, 64, 8)
 
 
 @pytest.mark.parametrize("m", [0, 1, 5])
@@ -217,7 +219,7 @@ def test_cuda_kernel_matches_float64(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,e,h", [(5, 128, 512), (3, 256, 7168)])
+@pytest.mark.parametrize("m,e,h", [(9, 128, 512), (6, 128, 2880), (3, 256, 7168)])
 def test_cuda_past_the_kernel_is_cublas(m, e, h):
     args = make_args(m, e, h, torch.bfloat16, True, "contiguous", device="cuda")
     assert torch.equal(router_linear(*args), F.linear(*args))
