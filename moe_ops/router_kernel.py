@@ -26,9 +26,10 @@ from .plan_kernel import on_device, uses_grid_dependency
 
 # Where the kernel serves (router.py calls cuBLAS elsewhere; bench/NOTES.md v62, v63): up to MAX_TOKENS
 # tokens, and up to _WORK products a program (M x BLOCK_E x H). Past _WORK each program's sums take
-# longer than cuBLAS's split-K GEMM and its reduce (DeepSeek-V3 at M = 4: 8.1 against 6.5 µs, H200), and
-# gpt-oss' layer at M = 8 (46080 a program) read 0.9 µs slower with the kernel though the kernel alone
-# was 0.8 µs faster; Qwen3's at M = 6 and 8 (32768) 0.6-0.9 µs faster. Past 8 tokens not measured.
+# longer than cuBLAS's split-K GEMM and its reduce (DeepSeek-V3 at M = 4: 8.1 against 6.5 µs, H200). At 5-8
+# tokens within _WORK the kernel and the route kernel after it take 1-2 µs less than cuBLAS and the route
+# (Qwen3, Mixtral; gpt-oss at 5), and Qwen3's layer read 0.6-3.5 µs faster over three runs, where layer
+# rows running the same kernels differ by up to 2.2 µs. Past 8 tokens not measured.
 MAX_TOKENS = 8
 _WORK = 32768
 # Programs the grid aims for: about one per SM, so the weights stream from all of them; from 4 tokens
