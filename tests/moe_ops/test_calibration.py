@@ -142,9 +142,10 @@ def test_expert_intermediates_with_an_expert_map():
     """Pairs whose expert lives on another rank (expert_map -1) give zero rows; the others as without."""
     emap = torch.tensor([1, -1, 0] + list(range(2, E)))  # 9 global ids onto 8 local experts, id 1 elsewhere
     ids = torch.tensor([[0, 1], [2, 3], [1, 4]], dtype=torch.int32)
-    out = moe_ops.expert_intermediates(_X, _W13, ids, expert_map=emap)
+    x, w13 = torch.randn(3, H), torch.randn(E, 2 * I, H)  # fresh per run (_X and _W13 are drawn once, at import)
+    out = moe_ops.expert_intermediates(x, w13, ids, expert_map=emap)
     local = torch.where(ids == 1, -1, emap[ids.long()])
-    want = [_intermediates64(_X[m : m + 1], _W13, local[m : m + 1, j : j + 1])[0] for m in range(3) for j in range(2) if local[m, j] >= 0]
+    want = [_intermediates64(x[m : m + 1], w13, local[m : m + 1, j : j + 1])[0] for m in range(3) for j in range(2) if local[m, j] >= 0]
     assert out.shape == (6, I)
     kept = out[out.abs().sum(dim=1) > 0]
     assert kept.shape[0] == len(want) == 4

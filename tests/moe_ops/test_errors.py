@@ -499,7 +499,7 @@ def test_support_table_rows():
         # mxfp4's 1xG groups are 1x32
         w4 = [w4_kernels.serves("none" if a is None else a[0], w[0], (1, 32), torch.bfloat16) for a in acts for w in weights if w and w[1] == "1xG"]
         assert (name in BACKENDS.CUTE_W4_SCHEMES) == (bool(w4) and all(w4)), name
-        assert BACKENDS.cute_support(scheme, "cuda", torch.float32, capability=(9, 0)).supported is False
+        assert BACKENDS.cute_support(name, "cuda", torch.float32, capability=(9, 0)).supported is False
 
 
 # ---- the quantization vocabulary -----------------------------------------------------------------

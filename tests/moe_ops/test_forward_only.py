@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_ops
 from moe_ops.activation import activation as activation_op
+from moe_ops.expert_norm import post_expert_norm
 from moe_ops.forward_only import no_backward
 from moe_ops.gemm import grouped_gemm
 from moe_ops.plan import routing_plan
@@ -54,6 +55,10 @@ def _weighted_reduce_args():
     return (torch.randn(M * K, H, requires_grad=True), topk_weights, inverse, offsets), 0
 
 
+def _post_expert_norm_args():
+    return (torch.randn(M * K, H, requires_grad=True), torch.randn(H, requires_grad=True), 1e-6), 0
+
+
 # op -> (its args with float inputs requiring grad, the output the test sums for backward)
 OPS = {
     "route": (route_op, _route_args),
@@ -62,6 +67,7 @@ OPS = {
     "grouped_gemm": (grouped_gemm, _grouped_gemm_args),
     "activation": (activation_op, _activation_args),
     "weighted_reduce": (weighted_reduce, _weighted_reduce_args),
+    "post_expert_norm": (post_expert_norm, _post_expert_norm_args),
 }
 
 

@@ -471,11 +471,13 @@ def test_load_rejects_unused_tensors(case):
     elif case == "relu2_gate":
         layer = _layer(activation="relu2")
         weights = {f"experts.{e}.{names[p]}.weight": parts[p][e] for p in parts for e in range(E)}
+        match = r"weights\['experts\.\d+\.gate_proj\.weight'\]: activation 'relu2' has no gate projection"
     else:
         layer = _layer()
         weights = {f"experts.{e}.{names[p]}.weight": parts[p][e] for p in parts for e in range(E)}
         weights["w13"] = torch.zeros(E, 2 * I, H)
-    with pytest.raises(ValueError, match=r"weights"):
+        match = r"weights: w13 weight given both stacked \('w13'\) and per expert; give one"
+    with pytest.raises(ValueError, match=match):
         layer.load_weights(weights)
 
 
@@ -483,7 +485,7 @@ def test_load_one_expert_wrong_shape_raises_value_error():
     parts = _expert_tensors()
     parts["gate"][2] = torch.zeros(I + 1, H)
     names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-    with pytest.raises(ValueError, match=r"weights"):
+    with pytest.raises(ValueError, match=rf"weights\['experts\.2\.gate_proj\.weight'\]: expected shape \({I}, {H}\), got \({I + 1}, {H}\)"):
         _layer().load_weights({f"experts.{e}.{names[p]}.weight": parts[p][e] for p in parts for e in range(E)})
 
 

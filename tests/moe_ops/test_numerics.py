@@ -894,4 +894,9 @@ def test_quantized_reference_runs_without_host_sync_and_captures_in_a_cuda_graph
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
-    assert relative_error(eager.cpu(), moe_float64(x.cpu(), d13, d2, tw.cpu(), ids.cpu(), **biases)) < 0.2
+    # The CPU test's bound (test_scheme_vs_float64_unquantized_activations): the CUDA reference runs the
+    # same float32 composition, with the activations quantized by the scheme's own scales.
+    a_dtype = None if scheme.activation is None else scheme.activation.dtype
+    if a_dtype == "int8" and scheme.activation.static:
+        a_dtype = "int8_static"
+    assert_close_rel(eager.cpu(), moe_float64(x.cpu(), d13, d2, tw.cpu(), ids.cpu(), **biases), tolerance(torch.float32, a_dtype), case)
