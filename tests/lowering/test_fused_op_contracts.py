@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import moe_ops
 from lowering.fused_ops import down_reduce, gate_up
 from moe_ops.plan import routing_plan
+from moe_ops.reference import relative_error, tolerance
 
 E, H, I, K_TOP, M = 4, 32, 16, 2, 3
 NONE = [-1, -1]
@@ -181,32 +182,49 @@ def test_gate_up_requantizes_relu2s_whole_width():
     assert codes.shape == (M * K_TOP, 15) and codes.dtype == torch.uint8 and scales.dtype == torch.float8_e4m3fn
 
 
-def test_down_reduce_with_a_post_expert_norm():
-    # With norm_weight, each of GEMM2's rows goes through moe_ops::post_expert_norm before the weighted
-    # sum (the real impl equals that composition; the fake impl gives its shape, dtype and strides), and
-    # opcheck passes with the two extra arguments.
-    from moe_ops.expert_norm import post_expert_norm
-    from moe_ops.gemm import grouped_gemm
-    from moe_ops.reduce import weighted_reduce
+def _down_reduce_float64(a, w, bias, topk_weights, topk_ids, inverse, norm_weight=None, norm_eps=0.0):
+    """float64 [M, H], pair by pair: out[m] = sum_j topk_weights[m, j] * f(a[inverse[m*k+j]] @ w[e].T + bias[e])
+    with e = topk_ids[m, j], f the input-scaled RMS norm (expert_norm.py) or the identity; written out
+    here, independent of the ops' composition."""
+    m, k = topk_ids.shape
+    out = torch.zeros(m, w.shape[1], dtype=torch.float64)
+    for t in range(m):
+        for j in range(k):
+            e = int(topk_ids[t, j])
+            y = a[int(inverse[t * k + j])].double() @ w[e].double().T
+            if bias is not None:
+                y = y + bias[e].double()
+            if norm_weight is not None:
+                s = y * (1 + norm_weight.double())
+                y = s / torch.sqrt((s * s).mean() + norm_eps)
+            out[t] += topk_weights[t, j].double() * y
+    return out
 
+
+def test_down_reduce_with_a_post_expert_norm():
+    # With norm_weight, each of GEMM2's rows is normalized before the weighted sum: against float64
+    # pair by pair (the fake impl gives its shape, dtype and strides), and opcheck passes with the two
+    # extra arguments. Without the norm the result is far from it.
     norm_weight = torch.randn(H) * 0.3
     op, args = _down_reduce(weights_early=False, norm_weight=norm_weight, norm_eps=1e-5)
     (out,) = _real_matching_fake(op, args)
-    a, w, bias, offsets, topk_weights, inverse = args[0], args[5], args[11], args[12], args[13], args[14]
-    y = grouped_gemm(a, None, None, "none", NONE, w, None, None, None, "none", NONE, bias, offsets, None, torch.float32)
-    torch.testing.assert_close(out, weighted_reduce(post_expert_norm(y, norm_weight, 1e-5), topk_weights, inverse, offsets))
+    _, topk_ids, *_ = _plan()
+    a, w, bias, topk_weights, inverse = args[0], args[5], args[11], args[13], args[14]
+    want = _down_reduce_float64(a, w, bias, topk_weights, topk_ids, inverse, norm_weight, 1e-5)
+    assert relative_error(out, want) <= tolerance(torch.float32)
+    assert relative_error(_down_reduce_float64(a, w, bias, topk_weights, topk_ids, inverse), want) > 0.1
     torch.library.opcheck(op, tuple(args))
 
 
 def test_down_reduce_weighs_rows_by_signed_router_weights():
     # The router weights multiply GEMM2's rows as given, sign included (a weight is not a probability
-    # for every router): down_reduce equals weighted_reduce over grouped_gemm's rows with weights of both signs.
-    from moe_ops.gemm import grouped_gemm
-    from moe_ops.reduce import weighted_reduce
-
+    # for every router): against float64 pair by pair with weights of both signs, and far from the
+    # same sum with the weights' magnitudes.
     topk_weights = torch.randn(M, K_TOP)
     topk_weights[0, 0] = -abs(topk_weights[0, 0]) - 0.5
     op, args = _down_reduce(bias=None, topk_weights=topk_weights)
-    a, w, offsets, inverse = args[0], args[5], args[12], args[14]  # positional, as _down_reduce orders them
-    y = grouped_gemm(a, None, None, "none", NONE, w, None, None, None, "none", NONE, None, offsets, None, torch.float32)
-    torch.testing.assert_close(op(*args), weighted_reduce(y, topk_weights, inverse, offsets))
+    _, topk_ids, *_ = _plan()
+    a, w, inverse = args[0], args[5], args[14]  # positional, as _down_reduce orders them
+    out = op(*args)
+    assert relative_error(out, _down_reduce_float64(a, w, None, topk_weights, topk_ids, inverse)) <= tolerance(torch.float32)
+    assert relative_error(out, _down_reduce_float64(a, w, None, topk_weights.abs(), topk_ids, inverse)) > 0.1

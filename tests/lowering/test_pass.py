@@ -107,11 +107,15 @@ def eager(model, batches):
 
 def assert_close_to_eager(out, ref, dtype):
     # The fused ops run the very same reference composition on the CPU as the eager chain of
-    # primitive ops, so compiled and eager agree far more tightly than the float64 tolerance
-    # (usually bitwise): no slack for activation quantization, which both sides apply identically.
+    # primitive ops, so compiled and eager agree far more tightly than the float64 tolerance: bitwise
+    # in 220 of the file's 224 comparisons, the other four (float32) within 1.4 units of rounding
+    # (Inductor's own kernels around the fused ops round in their own order). So at most 8 units of
+    # rounding, or the float64 tolerance where that is tighter (bf16, fp16); no slack for activation
+    # quantization, which both sides apply identically.
     assert out.shape == ref.shape and out.dtype == ref.dtype
+    bound = min(tolerance(dtype), 8 * torch.finfo(dtype).eps)
     err = relative_error(out, ref)
-    assert err <= tolerance(dtype), f"relative error {err} > {tolerance(dtype)}"
+    assert err <= bound, f"relative error {err} > {bound}"
 
 
 # ---- compiled with the pass == eager -----------------------------------------------------------
@@ -1091,7 +1095,9 @@ def opcheck(op, args):
 def test_fused_ops_opcheck(recipe, m):
     gu, dr, c = build_layer(recipe, m)
     opcheck(gate_up, gu)
-    # With the routing plan's ids as the kernels' weight hint (expert_ids): same outputs.
+    # With the routing plan's ids as the kernels' weight hint (expert_ids): the op takes the extra
+    # argument and, a hint only, gives the same outputs. On the CPU the reference ignores it; that the
+    # kernel's hinted loads change nothing is test_kernels_gpu.py's check.
     opcheck(gate_up, [*gu, c["topk_ids"]])
     for hinted, plain in zip(gate_up(*gu, c["topk_ids"]), gate_up(*gu)):
         assert_same(hinted, plain, "gate_up with expert_ids")
