@@ -5,7 +5,8 @@ where row r reads a[gather_idx[r]] when gather_idx is given (GEMM1 reads tokens)
 (GEMM2 reads the grouped intermediate). Rows from offsets[E] on (dropped pairs) are zero.
 
 The reference dequantizes to float32 and multiplies in float32 on any device, without host syncs:
-with torch._grouped_mm where the device has it for the dtype and the output is stored in that dtype
+with torch._grouped_mm where the device has kernels of its own for the dtype (on CUDA: sm_90, sm_100)
+and the output is stored in that dtype
 (the offsets stay on the device; on CUDA, bf16: the float32 sums come back rounded to bf16, and a bias
 is added to them in float32 before the output's own rounding), otherwise with a per-row batched
 product over row chunks. Quantized weights are dequantized on every call: only the experts of each
@@ -16,6 +17,8 @@ batched product to gather. It is the correctness baseline, not the fast path.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import _checks, forward_only
@@ -25,6 +28,22 @@ from .quant.quantize import ACTIVATION_STORAGE, dequantize_activation
 
 # (device type, dtype) pairs where torch._grouped_mm multiplies exactly in float32 accumulation.
 _NATIVE_GROUPED_MM = {("cpu", torch.float32), ("cuda", torch.bfloat16)}
+# CUDA GPUs (compute capability majors) where torch._grouped_mm has its own kernels. On others (A100,
+# L40, ...) ATen's fallback copies the offsets to the host (offs.cpu()): a sync per call, which a CUDA
+# graph capture refuses; the batched product needs none.
+_GROUPED_MM_CUDA_MAJORS = (9, 10)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def native_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm serves `dtype` on `device` exactly and without a host sync."""
+    if not hasattr(torch, "_grouped_mm") or (device.type, dtype) not in _NATIVE_GROUPED_MM:
+        return False
+    return device.type != "cuda" or _cuda_major(device.index) in _GROUPED_MM_CUDA_MAJORS
 _CHUNK_BYTES = 1 << 28
 # Quantized weights up to this size in float32 are dequantized whole for calls with at least as many rows
 # as experts, where the batched product then gathers float32 rows: one dequantization instead of one per
@@ -51,7 +70,7 @@ def _aligned(t: torch.Tensor, unit_dim: int) -> bool:
 
 
 def _native_ok(a: torch.Tensor, w: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm") or (a.device.type, a.dtype) not in _NATIVE_GROUPED_MM or w.dtype != a.dtype:
+    if not native_grouped_mm(a.device, a.dtype) or w.dtype != a.dtype:
         return False
     size = a.element_size()
     # torch._grouped_mm raises unless every stride is 16-byte aligned: a K-slice of a wider weight (row-
@@ -211,7 +230,7 @@ def grouped_gemm(
         wf = w
         # torch._grouped_mm returns its float32 sums rounded to w's dtype (on CUDA a float32 output takes
         # its fallback, which reads the offsets on the host): native only for an output of that dtype.
-        native = (x.device.type, w.dtype) in _NATIVE_GROUPED_MM and out_dtype == w.dtype
+        native = native_grouped_mm(x.device, w.dtype) and out_dtype == w.dtype
         if native and a_dtype == "none" and a.dtype == w.dtype:
             x = x.to(w.dtype)  # exact: x came from w's dtype (another dtype's x would be rounded)
         else:
@@ -219,7 +238,7 @@ def grouped_gemm(
         out = segment_matmul(x if x.dtype == wf.dtype else x.float(), wf, expert_offsets)
     else:
         experts = _dequantizer(w, w_dtype, w_group, w_scale, w_global_scale, w_zero, x.shape[1])
-        native = (x.device.type, torch.float32) in _NATIVE_GROUPED_MM
+        native = native_grouped_mm(x.device, torch.float32)
         if x.shape[0] >= num_experts and (native or num_experts * w.shape[1] * x.shape[1] * 4 <= _WHOLE_DEQUANT_BYTES):
             out = segment_matmul(x.float(), _dequantize_whole(experts, w, x.shape[1]), expert_offsets)
         else:

@@ -191,6 +191,21 @@ def test_grouped_gemm_bf16_weights_take_grouped_mm_as_on_cuda(rows_dtype, monkey
     assert calls == ([torch.bfloat16] if rows_dtype == torch.bfloat16 else [])
 
 
+def test_grouped_mm_on_cuda_only_where_it_has_kernels(monkeypatch):
+    """torch._grouped_mm serves CUDA bf16 only on GPUs with its own kernels (sm_90, sm_100): elsewhere
+    ATen's fallback copies the offsets to the host, a sync per call that a CUDA graph capture refuses,
+    and the reference takes the batched product instead."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is missing")
+    cuda = torch.device("cuda", 0)
+    for major, want in ((8, False), (9, True), (10, True), (12, False)):
+        monkeypatch.setattr(gemm, "_cuda_major", lambda index, major=major: major)
+        assert gemm.native_grouped_mm(cuda, torch.bfloat16) is want, major
+        assert gemm.native_grouped_mm(cuda, torch.float32) is False
+    assert gemm.native_grouped_mm(torch.device("cpu"), torch.float32) is True
+    assert gemm.native_grouped_mm(torch.device("cpu"), torch.bfloat16) is False
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_grouped_gemm_bf16_with_a_float32_output_is_not_rounded_to_bf16(bias, monkeypatch):
     """CUDA's native bf16 grouped GEMM returns its float32 sums rounded to bf16 (a float32 output would take
