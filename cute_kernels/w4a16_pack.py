@@ -68,14 +68,15 @@ def output_columns(kind: str, n: int) -> int:
     return n if kind == "rows" else n // 2
 
 
-def row_map(kind: str, gate_layout: str | None, n: int) -> torch.Tensor:
-    """int64 [tiles, 128]: the weight row (of N) each tile row reads; -1 past the weights."""
+def row_map(kind: str, gate_layout: str | None, n: int, device=None) -> torch.Tensor:
+    """int64 [tiles, 128] on `device` (the CPU by default): the weight row (of N) each tile row reads; -1
+    past the weights. Built there, not copied: a host-to-device copy would fail inside a CUDA graph capture."""
     if kind == "rows":
         t = _cdiv(n, TILE_ROWS)
-        r = torch.arange(t * TILE_ROWS).reshape(t, TILE_ROWS)
+        r = torch.arange(t * TILE_ROWS, device=device).reshape(t, TILE_ROWS)
         return torch.where(r < n, r, -1)
     inter = n // 2
-    c = torch.arange(_cdiv(inter, 64) * 64).reshape(-1, 64)
+    c = torch.arange(_cdiv(inter, 64) * 64, device=device).reshape(-1, 64)
     gate, up = (c, inter + c) if gate_layout == "concat" else (2 * c, 2 * c + 1)
     return torch.where(torch.cat((c, c), 1) < inter, torch.cat((gate, up), 1), -1)
 
@@ -106,7 +107,7 @@ def check_experts(codes, scales, kind, gate_layout) -> tuple[int, int, int]:
 
 def _rows_padded(kind: str, gate_layout: str | None, n: int, device) -> torch.Tensor:
     """row_map with the padding rows (-1) pointing at row n, the zero row the packer appends."""
-    rmap = row_map(kind, gate_layout, n).to(device)
+    rmap = row_map(kind, gate_layout, n, device)
     return torch.where(rmap < 0, n, rmap)
 
 

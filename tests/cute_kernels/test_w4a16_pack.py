@@ -132,3 +132,11 @@ def test_bad_input_is_refused(change, error, match):
     args.update(change)
     with pytest.raises(error, match=match):
         wp.pack_mxfp4_experts(args.pop("codes"), args.pop("scales"), **args)
+
+
+@pytest.mark.parametrize("kind, layout", [("rows", None), ("gate_up", "concat"), ("gate_up", "interleaved")])
+def test_row_map_is_built_on_its_device(kind, layout):
+    """The reference's unpacking (tiled mxfp4 on CUDA) builds its row map on the weights' device: a copy
+    from the CPU would fail inside a CUDA graph capture. Meta tensors show where it was built."""
+    rows = wp.row_map(kind, layout, 320, device="meta")
+    assert rows.device.type == "meta" and rows.shape == wp.row_map(kind, layout, 320).shape
