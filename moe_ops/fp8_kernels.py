@@ -81,6 +81,8 @@ def gate_up(
         q, w, bias, expert_offsets, gather_idx, activation=activation, alpha=alpha, limit=limit, gate_layout=gate_layout,
         out=out, expert_ids=expert_ids, a_scale=s, w_scale=w_scale, out_dtype=x.dtype, block_scales=_block(w_group),
     )  # fmt: skip
+    if out_quant_dtype == "none":  # a chain whose GEMM2 reads the intermediate unquantized
+        return h, h.new_empty((0,), dtype=torch.float32)
     return quantize(h, out_quant_dtype, list(out_quant_group), out_scale, out_global_scale)
 
 

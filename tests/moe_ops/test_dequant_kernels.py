@@ -413,3 +413,28 @@ def test_activations_decode_on_the_gpu_as_torch_does(a_dtype, group, static):
     got = dequant_kernels._activations(q, a_dtype, group, s, global_scale, torch.bfloat16)
     want = dequantize_activation(q, a_dtype, group, s, global_scale).to(torch.bfloat16)
     assert got.shape == want.shape and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("case", ["fp8_w8a8_per_token", "fp8_w8a8_per_tensor_dynamic"])
+def test_fp8_gate_up_with_an_unquantized_intermediate(case):
+    """A chain that quantizes GEMM1's input but not GEMM2's (the lowering fuses it as written): the fp8
+    path's gate_up returns the intermediate as the op does, with an empty scale, where it used to hand
+    "none" to the quantizer, which raised. The reference stands in for the kernels."""
+    from lowering.fused_ops import gate_up as gate_up_op
+
+    scheme, x, q13, _, config, _, _, _, ids, _ = _quant_layer(case, torch.bfloat16, m=7)
+    a_dtype, a_group = op_args(scheme.activation)
+    w_dtype, w_group = op_args(scheme.weight)
+    assert fp8_kernels.serves(a_dtype, a_group, w_dtype, w_group, x.dtype)
+    offsets, gather_idx, _ = routing_plan(ids, q13.shape[0], None)
+    args = dict(
+        x=x, a_scale=None, a_global_scale=None, a_dtype=a_dtype, a_group=list(a_group), w=q13, w_scale=config.w13_scale,
+        w_global_scale=None, w_zero=None, w_dtype=w_dtype, w_group=list(w_group), bias=None, expert_offsets=offsets,
+        gather_idx=gather_idx, activation="silu", alpha=1.702, limit=7.0, interleaved=False, out_quant_dtype="none",
+        out_quant_group=[-1, -1], out_scale=None, out_global_scale=None, out_dtype=torch.bfloat16,
+    )  # fmt: skip
+    want_h, want_s = gate_up_op(*args.values())
+    got_h, got_s = dequant_kernels.gate_up(ReferenceKernels(), gate_layout="concat", **args)
+    assert got_h.shape == want_h.shape and got_h.dtype == want_h.dtype == torch.bfloat16
+    assert got_s.shape == want_s.shape == (0,) and got_s.dtype == want_s.dtype == torch.float32
+    assert relative_error(got_h, want_h) <= tolerance(torch.bfloat16)
