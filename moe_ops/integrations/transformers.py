@@ -278,7 +278,8 @@ def quantize_experts(model: torch.nn.Module, scheme: QuantScheme, *, tile: bool 
     Each module's gate_up_proj (or up_proj) and down_proj become row-major codes [E, N, K / values per byte]
     (whatever is_transposed says) and its QuantConfig (the scales) is held as the module's
     `moe_ops_quant_config`: from then on it runs with experts_implementation "moe_ops" only (transformers' own
-    implementations read float weights), and the scales are not in its state_dict. Biases stay the module's
+    implementations read float weights), which this sets in each module's config, and the scales are not in
+    its state_dict. Biases stay the module's
     own parameters. Quantize on the weights' device (an mxfp4 layer is tiled there), after any `.to()`: a later
     `.to(device)` leaves the scales behind, and a later `.to(dtype)` casts fp8 codes (a float dtype) to values.
     tile: lay mxfp4_w4a16 weights out for the w4a16 kernels once, here (quant.tile_mxfp4_weights); None: where
@@ -289,6 +290,7 @@ def quantize_experts(model: torch.nn.Module, scheme: QuantScheme, *, tile: bool 
     value decoded from mxfp4 quantizes back to itself) at 4.25 bits per weight, on the w4a16 kernels.
     Every module is checked and quantized before any is changed (TypeError/ValueError naming the argument or the
     module, NotImplementedError for gating moe_ops cannot compute)."""
+    _check_model(model)
     if not isinstance(scheme, QuantScheme):
         raise TypeError(f"scheme: expected a moe_ops QuantScheme, got {type(scheme).__name__}")
     if scheme.activation is not None:
@@ -297,8 +299,14 @@ def quantize_experts(model: torch.nn.Module, scheme: QuantScheme, *, tile: bool 
         raise ValueError(f"scheme: {scheme.describe()} is tiled; give the untiled scheme (tile= tiles it)")
     if tile is not None and not isinstance(tile, bool):
         raise TypeError(f"tile: expected None or a bool, got {tile!r}")
+    modules = _experts_modules(model)
+    if not modules:
+        raise ValueError(
+            f"model: {type(model).__name__} holds no experts module built by transformers' use_experts_implementation "
+            "(with has_gate and is_transposed); nothing to quantize"
+        )
     done = []
-    for name, module in _experts_modules(model):
+    for name, module in modules:
         if getattr(module, QUANT_CONFIG_ATTR, None) is not None:
             raise ValueError(f"{name}: its experts are quantized already ({getattr(module, QUANT_CONFIG_ATTR).name})")
         act = experts_activation(module)
@@ -311,7 +319,14 @@ def quantize_experts(model: torch.nn.Module, scheme: QuantScheme, *, tile: bool 
         setattr(module, up_name, torch.nn.Parameter(q13, requires_grad=False))
         module.down_proj = torch.nn.Parameter(q2, requires_grad=False)
         setattr(module, QUANT_CONFIG_ATTR, config)
+        # transformers' own implementations would multiply the codes as values (or fail on uint8).
+        module.config._experts_implementation = NAME
     return [name for name, *_ in done]
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module (a transformers model or a module holding experts), got {type(model).__name__}")
 
 
 def row_major_experts(model: torch.nn.Module) -> list[str]:
@@ -326,6 +341,7 @@ def row_major_experts(model: torch.nn.Module) -> list[str]:
     `.to()` keeps the layout. Call it once after loading and before torch.compile or CUDA-graph
     capture; each parameter is copied once, so it needs free memory for the largest of them.
     """
+    _check_model(model)
     changed = []
     with torch.no_grad():
         for name, module in model.named_modules():

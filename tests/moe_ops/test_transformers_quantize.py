@@ -180,6 +180,28 @@ def test_refusals_name_the_argument():
         INTEGRATION.quantize_experts(model, MXFP4)
 
 
+def test_quantized_experts_switch_the_model_to_moe_ops():
+    """Quantized experts run with the "moe_ops" implementation only (transformers' own ones read float weights:
+    uint8 codes made them fail deep in torch): quantize_experts sets it, whichever the model had."""
+    for implementation in ("eager", "grouped_mm"):
+        model, reference = _qwen3(seed=4), _qwen3(seed=4)
+        model.set_experts_implementation(implementation)
+        assert INTEGRATION.quantize_experts(model, FP8_PER_CHANNEL) == INTEGRATION.quantize_experts(reference, FP8_PER_CHANNEL)
+        assert all(m.config._experts_implementation == "moe_ops" for _, m in INTEGRATION._experts_modules(model))
+        ids = _ids()
+        with torch.no_grad():
+            assert torch.equal(_logits(model, ids), _logits(reference, ids))
+
+
+def test_a_model_that_is_not_one_is_refused():
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module .*, got str"):
+        INTEGRATION.quantize_experts("model", MXFP4)
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module .*, got str"):
+        INTEGRATION.row_major_experts("model")
+    with pytest.raises(ValueError, match="model: Linear holds no experts module .*; nothing to quantize"):
+        INTEGRATION.quantize_experts(torch.nn.Linear(4, 4), MXFP4)
+
+
 def test_nothing_changes_unless_every_module_quantizes():
     """The second layer's gating has no moe_ops equivalent: NotImplementedError, and the first layer keeps its float
     weights too."""
