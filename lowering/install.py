@@ -5,6 +5,8 @@ import contextlib
 
 from torch._inductor import config as inductor_config
 
+from moe_ops import _checks
+
 from . import backend
 from .graph_pass import MoEFusionPass
 
@@ -25,6 +27,7 @@ def install(*, require_kernels: bool | None = None) -> MoEFusionPass:
     """Install the MoE fusion pass (idempotent). A post_grad_custom_post_pass already set keeps running,
     before ours. require_kernels: raise at run time when a CUDA call finds no CuTe DSL kernel for its
     recipe instead of running the reference (None: leave the setting as it is)."""
+    _checks.expect_bool("require_kernels", require_kernels, optional=True)
     if require_kernels is not None:
         if _state["require_kernels"] is None:
             _state["require_kernels"] = backend.REQUIRE_KERNELS["value"]

@@ -70,6 +70,14 @@ def expect_matrix_layout(name: str, t: torch.Tensor) -> None:
         )
 
 
+def expect_bool(name: str, value, *, optional: bool = False) -> None:
+    """value is a bool (or None where optional): a truthy string or number would quietly switch the option."""
+    if isinstance(value, bool) or (optional and value is None):
+        return
+    allowed = "a bool or None" if optional else "a bool"
+    raise TypeError(f"{name}: expected {allowed}, got {type(value).__name__} {value!r}")
+
+
 def expect_choice(name: str, value, allowed: Iterable) -> None:
     allowed = tuple(allowed)
     if value not in allowed:

@@ -88,6 +88,8 @@ class FusedMoE(nn.Module):
                 raise ValueError(f"{name}: got {v!r}; allowed: an int >= 1")
         if top_k > num_experts:
             raise ValueError(f"top_k: got {top_k}; allowed: at most num_experts={num_experts}")
+        _checks.expect_bool("correction_bias", correction_bias)
+        _checks.expect_bool("expert_bias", expert_bias)
         scheme = quant_config if quant_config is not None else UNQUANTIZED
         if not isinstance(scheme, QuantScheme):
             raise TypeError(f"quant_config: expected a moe_ops.QuantScheme or None, got {type(scheme).__name__}")

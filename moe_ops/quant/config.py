@@ -304,6 +304,7 @@ def mxfp4_w4a8(w13_scale, w2_scale, a13_scale=None, a2_scale=None, per_token=Fal
     if (a13_scale is None) != (a2_scale is None):
         raise ValueError("a13_scale and a2_scale: give both (static activation scales) or neither (dynamic)")
     static = a13_scale is not None
+    _checks.expect_bool("per_token", per_token)
     if static and per_token:
         raise ValueError("per_token: static scales are per-tensor; pass per_token=False with a13_scale/a2_scale")
     act = ActivationQuant("fp8", PER_TOKEN if per_token else PER_TENSOR, static=static)

@@ -105,3 +105,15 @@ def test_enabled_restores_require_kernels_when_the_block_raises(before, installe
             raise KeyError("inside")
     assert backend.REQUIRE_KERNELS["value"] is before
     assert lowering.installed() is outer
+
+
+@pytest.mark.parametrize("value", ["false", 0, 1.0])
+def test_require_kernels_takes_a_bool(value):
+    """A truthy string used to switch strict mode on ("false" is a non-empty string); nothing changes."""
+    before = (lowering.installed(), backend.REQUIRE_KERNELS["value"])
+    with pytest.raises(TypeError, match=rf"require_kernels: expected a bool or None, got {type(value).__name__}"):
+        lowering.install(require_kernels=value)
+    with pytest.raises(TypeError, match=r"require_kernels: expected a bool or None"):
+        with lowering.enabled(require_kernels=value):
+            pass
+    assert (lowering.installed(), backend.REQUIRE_KERNELS["value"]) == before

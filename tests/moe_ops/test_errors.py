@@ -583,6 +583,8 @@ BAD_VOCAB = [
      r"a13_scale and a2_scale: give both"),
     ("factory_mxfp4_static_per_token", lambda: quant.mxfp4_w4a8(*_fp8_scales(), torch.ones(1), torch.ones(1), per_token=True),
      ValueError, r"per_token: static scales are per-tensor"),
+    ("factory_mxfp4_per_token_str", lambda: quant.mxfp4_w4a8(*_fp8_scales(), per_token="no"), TypeError,
+     r"per_token: expected a bool, got str 'no'"),
     ("factory_int4_one_zero", lambda: quant.int4_w4a16(*_fp8_scales(), w13_zero=torch.zeros(1, dtype=torch.uint8)),
      ValueError, r"w13_zero and w2_zero: give both \(asymmetric int4\) or neither \(symmetric\)"),
     ("factory_int4_bad_group", lambda: quant.int4_w4a16(*_fp8_scales(), group_size=0), ValueError, r"GroupShape.cols: got 0"),
@@ -881,6 +883,10 @@ BAD_LAYER = [
     ("topk_group_alone", dict(topk_group=1), ValueError, r"num_expert_group and topk_group"),
     ("kept_groups_too_small", dict(num_expert_group=4, topk_group=1), ValueError, r"top_k: got 2; the 1 kept groups hold only 1 experts"),
     ("scaling_factor_str", dict(routed_scaling_factor="2.5"), TypeError, r"routed_scaling_factor: expected a real number, got str"),
+    # a truthy string or tensor used to switch the buffer on (or fail deep inside torch)
+    ("correction_bias_str", dict(correction_bias="yes"), TypeError, r"correction_bias: expected a bool, got str 'yes'"),
+    ("expert_bias_tensor", dict(expert_bias=torch.zeros(4, 8)), TypeError, r"expert_bias: expected a bool, got Tensor"),
+    ("expert_bias_int", dict(expert_bias=1), TypeError, r"expert_bias: expected a bool, got int 1"),
 ]
 
 
