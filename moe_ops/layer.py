@@ -361,13 +361,18 @@ class FusedMoE(nn.Module):
         # and restored if quantizing or calibrating then fails.
         backup = [(dest, dest.detach().clone()) for _, dest, _ in copies.values()]
         try:
-            for _, dest, src in copies.values():
+            for name, dest, src in copies.values():
                 dest.copy_(src)
+                # Finite as given (_checkpoint_items) but past the layer's dtype's range (fp16's 65504): inf here.
+                _checks.expect_finite(f"weights[{name!r}]", dest, f" once converted to the layer's {dest.dtype}: a value past its range")
             device, dtype = self.router.weight.device, self.router.weight.dtype
             # Always a copy: the layer must not share storage with the caller's tensors (a later in-place
             # change to the checkpoint or to the model it came from would silently change this layer).
             copy = dict(device=device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)
             w13, w2 = (new[w, "weight"].to(**copy) if (w, "weight") in new else None for w in ("w13", "w2"))
+            for which, w in (("w13", w13), ("w2", w2)):
+                if w is not None:
+                    _checks.expect_finite(f"weights (the layer's {which})", w, f" once converted to the layer's {dtype}: a value past its range")
             if w13 is not None or w2 is not None or static:
                 self._set_expert_weights(w13, w2, calibration)
         except BaseException:

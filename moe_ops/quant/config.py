@@ -335,6 +335,8 @@ def _check_float_weight(name: str, w) -> None:
     _checks.expect_tensor(name, w)
     _checks.expect_ndim(name, w, 3, "[E, N, K] float expert weights")
     _checks.expect_dtype(name, w, _checks.SOURCE_FLOAT_DTYPES)
+    # An inf or NaN weight quantizes to a NaN scale: every token routed to its expert would come out NaN.
+    _checks.expect_finite(name, w)
 
 
 def _check_weight_groups(name: str, w: torch.Tensor, wq: WeightQuant) -> None:
@@ -445,6 +447,8 @@ def quantize_weights(
         if bias is not None:
             _checks.expect_tensor(bname, bias)
             _checks.expect_shape(bname, bias, (num_experts, n), "[E, N]")
+            _checks.expect_dtype(bname, bias, _checks.FLOAT_DTYPES)
+    _checks.expect_same_device({"w13": w13, "w2": w2, "w13_bias": w13_bias, "w2_bias": w2_bias})
     if scheme.weight is None:
         return w13, w2, QuantConfig(scheme, w13_bias=w13_bias, w2_bias=w2_bias)
     calibrated = needs_calibration(scheme)

@@ -325,6 +325,7 @@ INT4_G32 = QuantScheme(None, WeightQuant("int4", GroupShape(1, 32)))
 INT4_G32_ZP = QuantScheme(None, WeightQuant("int4", GroupShape(1, 32), zero_point=True))
 NVFP4_W4A4 = QuantScheme(ActivationQuant("nvfp4", GroupShape(1, 16)), WeightQuant("nvfp4", GroupShape(1, 16)))
 FP8_STATIC = QuantScheme(ActivationQuant("fp8", PER_TENSOR, static=True), WeightQuant("fp8", PER_TENSOR))
+FP8_W8A16 = QuantScheme(None, WeightQuant("fp8", PER_CHANNEL))
 
 
 def _replace_config(**changes):
@@ -602,6 +603,16 @@ BAD_VOCAB = [
     ("quantize_weights_no_intermediate_calibration",
      lambda: quant.quantize_weights(FP8_STATIC, torch.ones(E, 2 * I, H), torch.ones(E, H, I), calibration=torch.randn(2, H)),
      ValueError, r"intermediate_calibration: scheme fp8_w8a8_per_tensor .* needs GEMM2's sample inputs \[T, I\]"),
+    # An inf weight used to quantize to a NaN scale, an int bias or one on another device to pass.
+    ("quantize_weights_inf_weight",
+     lambda: quant.quantize_weights(FP8_W8A16, torch.ones(E, 2 * I, H), torch.full((E, H, I), float("inf"))),
+     ValueError, r"w2: holds NaN or inf"),
+    ("quantize_weights_int_bias",
+     lambda: quant.quantize_weights(FP8_W8A16, torch.ones(E, 2 * I, H), torch.ones(E, H, I), w2_bias=torch.ones(E, H, dtype=torch.int32)),
+     TypeError, r"w2_bias: dtype torch.int32 is not allowed"),
+    ("quantize_weights_bias_on_meta",
+     lambda: quant.quantize_weights(FP8_W8A16, torch.ones(E, 2 * I, H), torch.ones(E, H, I), w13_bias=torch.ones(E, 2 * I, device="meta")),
+     ValueError, r"w13_bias: on meta, but w13 is on cpu"),
 ]
 
 

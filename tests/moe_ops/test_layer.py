@@ -853,3 +853,22 @@ def test_load_rejects_unreadable_checkpoints(weights, exc, match):
     with pytest.raises(exc, match=match):
         layer.load_weights(weights)
     assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "dtype, weights, match",
+    [
+        (torch.float16, {"w13": torch.full((E, 2 * I, H), 1e6)}, r"weights \(the layer's w13\): holds NaN or inf once converted to the layer's torch.float16"),
+        (torch.float16, {"w2": torch.randn(E, H, I).double() * 1e5}, r"weights \(the layer's w2\): holds NaN or inf once converted to the layer's torch.float16"),
+        (torch.float32, {"gate.weight": torch.full((E, H), 1e300, dtype=torch.float64)},
+         r"weights\['gate.weight'\]: holds NaN or inf once converted to the layer's torch.float32"),
+    ],
+    ids=["fp16_w13", "fp16_w2", "fp32_router_from_fp64"],
+)
+def test_load_rejects_values_past_the_layers_dtype(dtype, weights, match):
+    """Finite as given, inf once stored in the layer's dtype: loaded silently before, and the forward gave NaN."""
+    layer = moe_ops.FusedMoE(E, 2, H, I, dtype=dtype)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        layer.load_weights(weights)
+    assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
