@@ -252,6 +252,8 @@ class FusedMoE(nn.Module):
             )
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
+        if x.stride(-1) != 1:  # a transposed view, as nn.Linear takes it (the ops read rows of H)
+            x = x.contiguous()
         topk_weights, topk_ids = self.routing_for(x)
         # Under autocast unquantized experts run in the layer's dtype (the ops take activations in the
         # weights' dtype; autocast does not reach custom ops) and the output comes back in the input's.

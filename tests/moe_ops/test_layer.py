@@ -872,3 +872,13 @@ def test_load_rejects_values_past_the_layers_dtype(dtype, weights, match):
     with pytest.raises(ValueError, match=match):
         layer.load_weights(weights)
     assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+
+
+def test_forward_takes_a_transposed_input():
+    """hidden_states whose last dimension is not contiguous (a transposed view) give the contiguous input's
+    output, as nn.Linear takes them; they raised after the router had run."""
+    layer = _layer()
+    x = torch.randn(H, 5).t()
+    assert x.stride(-1) != 1
+    with torch.no_grad():
+        assert torch.equal(layer(x), layer(x.contiguous()))
