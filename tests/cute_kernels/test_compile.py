@@ -28,7 +28,7 @@ from cute_kernels import w4a16_grouped as w4  # noqa: E402
 
 import cutlass.cute as cute  # noqa: E402
 
-from tests.ptx import split_at_wait, touches_global  # noqa: E402
+from tests.ptx import global_accesses, split_at_wait, touches_global  # noqa: E402
 
 VARIANTS = [
     *[(torch.bfloat16, *v) for v in interface.variants(torch.bfloat16, bias_dtypes=(None, torch.bfloat16, torch.float32))],
@@ -53,7 +53,12 @@ def _compile(kernel, args, tmp_path):
     return cute.compile(kernel, *args, options=f"{cc.OPTIONS} --keep-ptx --dump-dir={tmp_path}").artifacts.PTX
 
 
-def _check_resources(report: str) -> None:
+def _check_resources(ptx: str, tmp_path) -> None:
+    """ptxas -v's facts for sm_90a, last in each test (its other facts checked): a skip, not a pass,
+    where ptxas is missing."""
+    if not shutil.which("ptxas"):
+        pytest.skip("ptxas not found: registers, spills and WGMMA serialisation unchecked")
+    report = _ptxas(ptx, tmp_path)
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
     # C7520: ptxas serialises the WGMMAs (e.g. for a branch it cannot prove warpgroup-uniform).
     assert "C7520" not in report, report
@@ -75,13 +80,19 @@ def _waits_before_global_access(ptx: str, early_weights: bool, gather: bool) -> 
     GEMM1 does not write, loaded before the wait. GEMM1's (the weight hint): the expert ids, which
     only steer L2 prefetches, and the prefetches themselves; nothing reaches shared memory."""
     before, after = split_at_wait(ptx)
+    early = global_accesses(before)
     if early_weights:
-        assert re.search(r"ld\.global\.cg\.b32", before) and "cp.async.bulk.tensor.3d" in before, "GEMM2 loads no weights early"
-        before = re.sub(EARLY_ACCESS, "", before)
+        # _load_offsets' loads (3 in every variant when written) and the first tile's weights by TMA.
+        offsets = [a for a in early if a == "ld.global.cg.b32"]
+        assert 0 < len(offsets) <= 3 and any(a.startswith("cp.async.bulk.tensor.3d") for a in early), early
+        early = [a for a in early if not re.fullmatch(EARLY_ACCESS, a)]
     if gather:
-        assert re.search(HINT_PREFETCH, before), "GEMM1 asks L2 for no weights before its wait"
-        before = re.sub(HINT_ACCESS, "", before)
-    assert not touches_global(before), "a global access before griddepcontrol.wait"
+        # One load of the hint's ids (a lane's id each); gather_idx or the fp8 scales, which the
+        # kernel before may still be writing, would be more loads of the same kind.
+        assert any(re.fullmatch(HINT_PREFETCH, a) for a in early), "GEMM1 asks L2 for no weights before its wait"
+        assert early.count("ld.global.b32") == 1, early
+        early = [a for a in early if not re.fullmatch(HINT_ACCESS, a)]
+    assert not early, f"global accesses before griddepcontrol.wait: {early}"
     assert touches_global(after)
 
 
@@ -171,8 +182,7 @@ def test_moe_gemm_variant(variant, tmp_path):
     assert "griddepcontrol.launch_dependents" in ptx
     assert kernel.storage.size_in_bytes() <= SMEM_CAPACITY
     assert kernel.num_stages >= 3
-    if shutil.which("ptxas"):
-        _check_resources(_ptxas(ptx, tmp_path))
+    _check_resources(ptx, tmp_path)
 
 
 # Every w4a16 variant: each epilogue reading grouped rows by TMA, and each gated one (GEMM1) gathering its rows; the
@@ -236,15 +246,16 @@ def test_w4a16_variant(variant, tok, tmp_path):
         assert exchanges
     assert ".local" not in ptx
     before, _ = split_at_wait(ptx)
+    accesses = global_accesses(before)
     if early:
         # the offsets by ld.global.cg, and one TMA in the loop over the first unit's early k-tiles (A's come after)
-        assert re.search(r"ld\.global\.cg\.b32", before) and before.count("cp.async.bulk.tensor.2d") == 1, "no weights early"
-        before = re.sub(r"ld\.global\.cg\.b32|cp\.async\.bulk\.tensor\.2d\.\S+", "", before)
-    assert not touches_global(before), "a global access before griddepcontrol.wait"
+        tma = [a for a in accesses if a.startswith("cp.async.bulk.tensor.2d")]
+        assert "ld.global.cg.b32" in accesses and len(tma) == 1, f"no weights early: {accesses}"
+        accesses = [a for a in accesses if a != "ld.global.cg.b32" and a not in tma]
+    assert not accesses, f"global accesses before griddepcontrol.wait: {accesses}"
     assert "griddepcontrol.launch_dependents" in ptx
     assert kernel.storage.size_in_bytes() <= SMEM_CAPACITY
-    if shutil.which("ptxas"):
-        _check_resources(_ptxas(ptx, tmp_path))
+    _check_resources(ptx, tmp_path)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -256,13 +267,12 @@ def test_token_sum(dtype, tmp_path):
     # Before the wait it may read the plan's and the router's outputs (older than GEMM2, 32-bit
     # loads; see token_sum.py), never GEMM2's rows (16-byte loads) nor write anything.
     before, after = split_at_wait(ptx)
-    assert "ld.global.b32" in before
-    assert not any(op in before for op in ("ld.global.v4", "st.global", "atom.", "red."))
+    accesses = global_accesses(before)
+    assert accesses and set(accesses) == {"ld.global.b32"}, accesses
     assert "ld.global.v4" in after
     # The next kernel (a programmatic dependent: the next layer's plan) may launch only after the wait.
     assert "griddepcontrol.launch_dependents" not in before and "griddepcontrol.launch_dependents" in after
-    if shutil.which("ptxas"):
-        _check_resources(_ptxas(ptx, tmp_path))
+    _check_resources(ptx, tmp_path)
 
 
 @pytest.mark.parametrize("norm_dtype", ["same", torch.float32])
@@ -281,8 +291,7 @@ def test_norm_token_sum(dtype, norm_dtype, tmp_path):
     before, after = split_at_wait(ptx)
     assert not touches_global(before), "a global access before griddepcontrol.wait"
     assert "ld.global" in after and "griddepcontrol.launch_dependents" in after
-    if shutil.which("ptxas"):
-        _check_resources(_ptxas(ptx, tmp_path))
+    _check_resources(ptx, tmp_path)
 
 
 def test_disk_cache_round_trip(tmp_path, monkeypatch):
