@@ -141,6 +141,16 @@ def expect_values_in_range(name: str, t: torch.Tensor, low: int, high: int, what
         raise ValueError(f"{name}: value {first} is outside [{low}, {high}) ({what})")
 
 
+def expect_positive(name: str, t: torch.Tensor, why: str = "") -> None:
+    """Eager-only: every value of t is finite and > 0 (why: appended to the message). Skipped for tensors
+    without values."""
+    if not value_checks_enabled() or not isinstance(t, torch.Tensor) or not has_values(t) or t.numel() == 0:
+        return
+    if not bool((torch.isfinite(t) & (t > 0)).all()):
+        bad = t[~(torch.isfinite(t) & (t > 0))][0].item()
+        raise ValueError(f"{name}: holds {bad}; allowed: finite values > 0{why}")
+
+
 def argparse_int(low: int):
     """An argparse type: an int >= low (argparse turns the ArgumentTypeError into a usage error)."""
     import argparse

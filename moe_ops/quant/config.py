@@ -166,6 +166,15 @@ def _check_activation(name, aq: ActivationQuant | None, t, k):
 
 # ---- factories ----------------------------------------------------------------------------------
 
+# A static activation scale of 0 made every code inf and the layer's output NaN, silently.
+_STATIC_SCALE = "; quantizing with 0, inf or NaN gives NaN codes, with a negative scale wrong ones"
+
+
+def _check_static_scales(**scales) -> None:
+    for name, t in scales.items():
+        if t is not None:
+            _checks.expect_positive(name, t, _STATIC_SCALE)
+
 
 def unquantized(w13_bias=None, w2_bias=None) -> QuantConfig:
     """bf16/fp16/fp32 activations and weights, with optional biases [E, N]."""
@@ -177,6 +186,7 @@ def fp8_w8a8_per_tensor(w13_scale, w2_scale, a13_scale=None, a2_scale=None, w13_
     static (a13_scale and a2_scale [1] given) or dynamic (computed per batch)."""
     if (a13_scale is None) != (a2_scale is None):
         raise ValueError("a13_scale and a2_scale: give both (static activation scales) or neither (dynamic)")
+    _check_static_scales(a13_scale=a13_scale, a2_scale=a2_scale)
     scheme = QuantScheme(ActivationQuant("fp8", PER_TENSOR, static=a13_scale is not None), WeightQuant("fp8", PER_TENSOR))
     return QuantConfig(scheme, w13_scale, w2_scale, a13_scale=a13_scale, a2_scale=a2_scale, w13_bias=w13_bias, w2_bias=w2_bias)
 
@@ -202,6 +212,7 @@ def int8_w8a8(w13_scale, w2_scale, a13_scale=None, a2_scale=None, w13_bias=None,
     if (a13_scale is None) != (a2_scale is None):
         raise ValueError("a13_scale and a2_scale: give both (static activation scales) or neither (dynamic)")
     static = a13_scale is not None
+    _check_static_scales(a13_scale=a13_scale, a2_scale=a2_scale)
     act = ActivationQuant("int8", PER_TENSOR, static=True) if static else ActivationQuant("int8", PER_TOKEN)
     scheme = QuantScheme(act, WeightQuant("int8", PER_CHANNEL))
     return QuantConfig(scheme, w13_scale, w2_scale, a13_scale=a13_scale, a2_scale=a2_scale, w13_bias=w13_bias, w2_bias=w2_bias)
@@ -243,6 +254,7 @@ def nvfp4_w4a4(
 ):  # fmt: skip
     """nvfp4 weights as in nvfp4_w4a16, and activations quantized to nvfp4 per 16 with calibrated
     float32 global scales [1]."""
+    _check_static_scales(a13_global_scale=a13_global_scale, a2_global_scale=a2_global_scale)
     group = GroupShape(1, 16)
     scheme = QuantScheme(ActivationQuant("nvfp4", group), WeightQuant("nvfp4", group))
     return QuantConfig(
@@ -305,6 +317,7 @@ def mxfp4_w4a8(w13_scale, w2_scale, a13_scale=None, a2_scale=None, per_token=Fal
         raise ValueError("a13_scale and a2_scale: give both (static activation scales) or neither (dynamic)")
     static = a13_scale is not None
     _checks.expect_bool("per_token", per_token)
+    _check_static_scales(a13_scale=a13_scale, a2_scale=a2_scale)
     if static and per_token:
         raise ValueError("per_token: static scales are per-tensor; pass per_token=False with a13_scale/a2_scale")
     act = ActivationQuant("fp8", PER_TOKEN if per_token else PER_TENSOR, static=static)
