@@ -375,6 +375,13 @@ BAD_QUANT = [
     ("quant_bias_twice", FP8_TOKEN, lambda kw: {**kw, "w2_bias": torch.zeros(E, QH),
                                                 "quant_config": dataclasses.replace(kw["quant_config"], w2_bias=torch.zeros(E, QH))},
      ValueError, r"w2_bias: given both as an argument and in quant_config"),
+    # Packed codes with no config, or another format's: the dtype is the cause, named before any size
+    # (they said "w13: activation 'silu' needs 32 rows per expert").
+    ("int4_codes_without_config", INT4_G32, lambda kw: {**kw, "quant_config": None}, TypeError,
+     r"w13: dtype torch.uint8 is not allowed; allowed: torch.float32, torch.float16, torch.bfloat16 \(quant_config unquantized, "
+     r"quantized codes need the quant_config that describes them\)"),
+    ("int4_codes_with_fp8_config", INT4_G32, lambda kw: {**kw, "quant_config": _quantized(FP8_TOKEN, calibration=None)["quant_config"]},
+     TypeError, r"w13: dtype torch.uint8 is not allowed; allowed: torch.float8_e4m3fn \(quant_config fp8_w8a8_per_token\)"),
 ]
 
 
