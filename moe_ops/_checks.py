@@ -146,9 +146,9 @@ def expect_positive(name: str, t: torch.Tensor, why: str = "") -> None:
     without values."""
     if not value_checks_enabled() or not isinstance(t, torch.Tensor) or not has_values(t) or t.numel() == 0:
         return
-    if not bool((torch.isfinite(t) & (t > 0)).all()):
-        bad = t[~(torch.isfinite(t) & (t > 0))][0].item()
-        raise ValueError(f"{name}: holds {bad}; allowed: finite values > 0{why}")
+    ok = torch.isfinite(t) & (t > 0)
+    if not bool(ok.all()):
+        raise ValueError(f"{name}: holds {t[~ok][0].item()}; allowed: finite values > 0{why}")
 
 
 def argparse_int(low: int):

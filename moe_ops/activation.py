@@ -100,8 +100,7 @@ class Activation:
             elif not isinstance(v, Real) or isinstance(v, bool):
                 raise TypeError(f"activation.{name}: expected a real number, got {type(v).__name__} {v!r}")
         check_parameters(self.kind, self.alpha, self.limit)
-        if not isinstance(self.interleaved, bool):
-            raise TypeError(f"activation.interleaved: expected a bool, got {type(self.interleaved).__name__} {self.interleaved!r}")
+        _checks.expect_bool("activation.interleaved", self.interleaved)
         if self.interleaved and not self.gated:
             raise ValueError(f"activation: {self.kind!r} has no gate, so interleaved=True means nothing")
 

@@ -192,11 +192,7 @@ def fused_experts(
     per reason (eager_kernels.py); compiled, the chain is what the lowering fuses.
     """
     act = resolve_activation(activation)
-    if not isinstance(apply_router_weight_on_input, bool):
-        raise TypeError(
-            f"apply_router_weight_on_input: expected a bool, got {type(apply_router_weight_on_input).__name__} "
-            f"{apply_router_weight_on_input!r}"
-        )
+    _checks.expect_bool("apply_router_weight_on_input", apply_router_weight_on_input)
     if post_expert_norm is not None and not isinstance(post_expert_norm, PostExpertNorm):
         raise TypeError(f"post_expert_norm: expected moe_ops.PostExpertNorm or None, got {type(post_expert_norm).__name__}")
     config = quant_config if quant_config is not None else _UNQUANTIZED_CONFIG

@@ -295,8 +295,7 @@ class FusedMoE(nn.Module):
         is_transposed, e.g. gpt-oss). Shapes cannot tell the layouts apart where I == H (gpt-oss:
         2880) or 2I == H, so the layout is said, never guessed. Per-expert weights are [out, in] always.
         """
-        if not isinstance(transposed, bool):
-            raise TypeError(f"transposed: expected a bool, got {type(transposed).__name__} {transposed!r}")
+        _checks.expect_bool("transposed", transposed)
         items = self._checkpoint_items(weights)
         static = needs_calibration(self.scheme)
         if calibration is not None and not static:

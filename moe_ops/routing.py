@@ -92,9 +92,8 @@ def check_route_args(
         raise TypeError(f"top_k: got {type(top_k).__name__} {top_k!r}; allowed: an int in [1, E={num_experts}]")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k: got {top_k!r}; allowed: an int in [1, E={num_experts}]")
-    if not isinstance(renormalize, bool):
-        # The op's schema takes a bool: None would silently mean False, anything else a RuntimeError.
-        raise TypeError(f"renormalize: expected a bool, got {type(renormalize).__name__} {renormalize!r}")
+    # The op's schema takes a bool: None would silently mean False, anything else a RuntimeError.
+    _checks.expect_bool("renormalize", renormalize)
     for name, v in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
         if not isinstance(v, int) or isinstance(v, bool):
             raise TypeError(f"{name}: got {type(v).__name__} {v!r}; allowed: an int or None")
