@@ -10,6 +10,7 @@ import torch
 from torch.fx import Graph, Node
 
 from . import backend
+from moe_ops import _checks
 from moe_ops.activation import PARAMETERS
 from moe_ops.quant.scheme import GroupShape
 
@@ -247,6 +248,10 @@ def explain(fn_or_module, *example_inputs, dynamic: bool = True, **compile_kwarg
     once under no_grad and return the Explanation, with the output code's lines that call moe_ops."""
     from torch._inductor.utils import run_and_get_code
 
+    # torch.compile's own refusals of these are bare AssertionErrors.
+    if not callable(fn_or_module):
+        raise TypeError(f"fn_or_module: expected a function or an nn.Module, got {type(fn_or_module).__name__}")
+    _checks.expect_bool("dynamic", dynamic, optional=True)
     compiled = torch.compile(fn_or_module, fullgraph=True, dynamic=dynamic, **compile_kwargs)
     with recording() as out, torch.no_grad():
         _, sources = run_and_get_code(compiled, *example_inputs)

@@ -107,6 +107,11 @@ class FusedMoE(nn.Module):
         dtype = dtype or torch.get_default_dtype()
         if dtype not in _checks.FLOAT_DTYPES:
             raise TypeError(f"dtype: got {dtype}; allowed: {', '.join(map(str, _checks.FLOAT_DTYPES))}")
+        if isinstance(device, str):
+            try:
+                device = torch.device(device)
+            except RuntimeError as e:  # torch's message lists every device type it knows
+                raise ValueError(f"device: got {device!r}; allowed: a torch.device or a string such as 'cpu', 'cuda', 'cuda:1'") from e
         factory = dict(device=device, dtype=dtype)
         # nn.Linear's parameters and names; its forward is one kernel at decode sizes (router.py).
         self.router = Router(hidden_size, num_experts, bias=False, **factory)

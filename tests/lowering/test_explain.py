@@ -237,3 +237,17 @@ def test_explain_names_the_parameters_each_activation_reads(activation, text):
     layer = moe_ops.FusedMoE(4, 2, 128, 64, activation=activation, dtype=torch.float32)
     (row,) = lowering.explain(layer, torch.randn(5, 128)).layers
     assert row.recipe.startswith(text + " a-quant=none"), row.recipe
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, exc, match",
+    [
+        (("model",), {}, TypeError, r"fn_or_module: expected a function or an nn.Module, got str"),
+        ((lambda x: x, torch.ones(2)), {"dynamic": "yes"}, TypeError, r"dynamic: expected a bool or None, got str 'yes'"),
+    ],
+    ids=["not_callable", "dynamic_str"],
+)
+def test_explain_rejects_what_torch_compile_asserts_on(args, kwargs, exc, match):
+    # torch.compile refused both with a bare AssertionError.
+    with pytest.raises(exc, match=match):
+        lowering.explain(*args, **kwargs)

@@ -914,6 +914,7 @@ BAD_LAYER = [
     ("correction_bias_str", dict(correction_bias="yes"), TypeError, r"correction_bias: expected a bool, got str 'yes'"),
     ("expert_bias_tensor", dict(expert_bias=torch.zeros(4, 8)), TypeError, r"expert_bias: expected a bool, got Tensor"),
     ("expert_bias_int", dict(expert_bias=1), TypeError, r"expert_bias: expected a bool, got int 1"),
+    ("device_gpu", dict(device="gpu"), ValueError, r"device: got 'gpu'; allowed: a torch.device or a string such as 'cpu'"),
 ]
 
 
