@@ -176,7 +176,7 @@ class FusedMoE(nn.Module):
     def _calibration_inputs(self, samples) -> torch.Tensor:
         """Sample hidden states [..., H] -> [T, H] in the router's dtype, on its device."""
         _checks.expect_tensor("calibration", samples)
-        _checks.expect_dtype("calibration", samples, _checks.FLOAT_DTYPES)
+        _checks.expect_dtype("calibration", samples, _checks.SOURCE_FLOAT_DTYPES)  # converted to the router's dtype below
         if samples.is_meta and not self.router.weight.is_meta:
             raise ValueError(f"calibration: on meta, which holds no values; the layer is on {self.router.weight.device}")
         if samples.dim() < 1 or samples.shape[-1] != self.hidden_size or samples.numel() == 0:

@@ -354,6 +354,8 @@ def test_calibration_samples_in_another_dtype_are_converted(name):
     from_float = [t.clone() for t in _act_scales(layer)]
     layer.calibrate(x.to(torch.bfloat16))
     assert all(torch.equal(a, b) for a, b in zip(from_float, _act_scales(layer)))
+    layer.calibrate(x.double())  # float64 samples too, as quantize_weights takes them (they were refused here)
+    assert all(torch.equal(a, b) for a, b in zip(from_float, _act_scales(layer)))
 
 
 @pytest.mark.parametrize("name", list(STATIC))
