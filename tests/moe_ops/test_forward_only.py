@@ -90,6 +90,16 @@ def test_op_in_grad_mode_computes_as_under_no_grad_and_backward_raises(name):
         got.float().sum().backward()
 
 
+def test_no_backward_opcheck_where_it_can_run():
+    """opcheck's other tests run the op for real, and its real impl is the raise: they fail with the op's own
+    message and nothing else (its fake impl is checked below, its use in the other ops' backward above)."""
+    args = (torch.randn(3, 4), "moe_ops::x", [7, 2], torch.bfloat16)
+    torch.library.opcheck(no_backward, args, test_utils=("test_autograd_registration",))
+    for test in ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"):
+        with pytest.raises(Exception, match=rf"{test} failed with moe_ops::x: no backward; the moe_ops ops are forward-only"):
+            torch.library.opcheck(no_backward, args, test_utils=(test,))
+
+
 def test_no_backward_fake_has_the_input_shape_and_dtype():
     with FakeTensorMode() as mode:
         grad = mode.from_tensor(torch.randn(3, 4))
