@@ -81,12 +81,7 @@ def check_inputs(
     wq = config.scheme.weight
     # The weights' dtype before any size: packed codes read as another format's give sizes, and a size
     # error, that hide the cause (uint8 int4 codes without their quant_config said "w13 needs 32 rows").
-    if config.scheme.tiled is None:
-        allowed = (wq.storage,) if wq is not None else _checks.FLOAT_DTYPES
-        for name, w in (("w13", w13), ("w2", w2)):
-            if w.dtype not in allowed:
-                hint = ", quantized codes need the quant_config that describes them" if wq is None else ""
-                raise TypeError(f"{name}: dtype {w.dtype} is not allowed; allowed: {_checks._names(allowed)} (quant_config {config.name}{hint})")
+    config.check_weight_dtypes(w13, w2)
     if config.scheme.tiled is not None:
         check_tiled_activation(act, config.scheme.tiled)
         intermediate = w13.shape[1] // 2  # a tiled w2's shape holds no K

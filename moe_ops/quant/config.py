@@ -111,9 +111,22 @@ class QuantConfig:
             "bias": getattr(self, f"w{which}_bias"),
         }
 
+    def check_weight_dtypes(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """The weights are stored as this config's format stores them (float for unquantized weights), checked
+        before any size is derived from them (tiled weights: check_tiled)."""
+        wq = self.scheme.weight
+        if wq is not None and wq.tiled is not None:
+            return
+        allowed = (wq.storage,) if wq is not None else _checks.FLOAT_DTYPES
+        hint = ", quantized codes need the quant_config that describes them" if wq is None else ""
+        for name, w in (("w13", w13), ("w2", w2)):
+            if w.dtype not in allowed:
+                raise TypeError(f"{name}: dtype {w.dtype} is not allowed; allowed: {_checks._names(allowed)} (quant_config {self.name}{hint})")
+
     def check_weights(self, w13: torch.Tensor, w2: torch.Tensor, hidden: int, intermediate: int, n13: int) -> None:
         """Shapes and dtypes of the weights and every tensor of this config against the layer's
         E, hidden size H and intermediate size I (w13 holds n13 = 2I or I output rows)."""
+        self.check_weight_dtypes(w13, w2)
         num_experts = w13.shape[0]
         for which, w, n, k in (("13", w13, n13, hidden), ("2", w2, hidden, intermediate)):
             t = self.gemm(which)
@@ -125,15 +138,14 @@ class QuantConfig:
 
 
 def _check_weight(name, wq: WeightQuant | None, w, t, num_experts, n, k):
+    """Shapes and scales of one GEMM's weights (their dtype: QuantConfig.check_weight_dtypes)."""
     if wq is None:
-        _checks.expect_dtype(name, w, _checks.FLOAT_DTYPES)
         return
     if wq.tiled is not None:
         # The tiled size does not depend on the tile kind (both hold N rows in whole 128-row tiles).
         tiled.check_tiled(name, w, "mxfp4_tiled_rows", k)
         _checks.expect_shape(name, w, (num_experts, n, w.shape[2]), f"[E, N, B] tiled {wq.dtype}")
         return
-    _checks.expect_dtype(name, w, (wq.storage,))
     packed_k = formats.cdiv(k, wq.packing)
     _checks.expect_shape(name, w, (num_experts, n, packed_k), f"[E, N, K/{wq.packing}] {wq.dtype}")
     group = wq.group.astuple()
