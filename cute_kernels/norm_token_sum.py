@@ -17,7 +17,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass.utils import SmemAllocator
+from cutlass.memory import SmemAllocator
 
 from .token_sum import VEC, token_sum_views
 
