@@ -8,11 +8,12 @@ bit); a slot without rows (slot_offsets[s + 1] == slot_offsets[s]) is left unwri
 weight of it (off CUDA, outside Triton's interpreter, torch packs every slot). One program per (slot, tile, k-tile) chunk: each of its 2048 code words gathers its 8 codes from 4
 bytes of one weight row (K columns k0 + 8i and k0 + 8i + 1 sit in byte k0 / 2 + 4i) and places their bits where
 w4a16_pack.SOURCE_BITS says; its 128 scale words take a row's 4 scales of the k-tile. Rows past N (the row map's
--1) and K past the weights are zero codes with scale 0.
+-1) and K past the weights are zero codes with scale 0. The kernel computes each tile row's weight row (_weight_row,
+w4a16_pack.row_map's rule) rather than reading a row-map tensor: such a tensor would have to be uploaded or built per
+call, and an upload inside a CUDA graph capture fails.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -34,9 +35,29 @@ def _place(code, i: tl.constexpr, j: tl.constexpr):
 
 
 @triton.jit
+def _weight_row(tile, tile_row, n, GATE_UP: tl.constexpr, CONCAT: tl.constexpr):
+    """w4a16_pack.row_map[tile, tile_row]: "rows" tiles hold 128 consecutive rows; a "gate_up" tile holds 64
+    intermediate columns c, their gate rows then their up rows (c and I + c concatenated, 2c and 2c + 1
+    interleaved). -1 past the weights."""
+    if GATE_UP:
+        inter = n // 2
+        c = tile * 64 + tile_row % 64
+        up = tile_row // 64
+        if CONCAT:
+            row = c + up * inter
+        else:
+            row = 2 * c + up
+        return tl.where(c < inter, row, -1)
+    else:
+        row = tile * 128 + tile_row
+        return tl.where(row < n, row, -1)
+
+
+@triton.jit
 def _pack_chunk(
-    codes, scales, idx, slot_offsets, rows, out, n, k_bytes, k_groups, tiles, k_tiles,
+    codes, scales, idx, slot_offsets, out, n, k_bytes, k_groups, tiles, k_tiles,
     CODE_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr, WORDS: tl.constexpr,
+    GATE_UP: tl.constexpr, CONCAT: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0)
     chunk = tl.program_id(1)  # tile * k_tiles + k-tile
@@ -50,7 +71,7 @@ def _pack_chunk(
         group = w % 4
         lane = (w // 4) % 32
         tile_row = 64 * (w // 1024) + 16 * ((w // 256) % 4) + lane // 4 + 8 * ((w // 128) % 2)
-        row = tl.load(rows + tile * 128 + tile_row)
+        row = _weight_row(tile, tile_row, n, GATE_UP, CONCAT)
         byte0 = kt * 64 + group * 16 + lane % 4
         base = codes + (expert * n + row.to(tl.int64)) * k_bytes
         word = tl.zeros((CODE_WORDS,), dtype=tl.uint32)
@@ -62,7 +83,7 @@ def _pack_chunk(
         tl.store(dst + w, word.to(tl.int32, bitcast=True))
         # scale word v = (16-row group * 2 + h) * 8 + r: tile row 16 * group + r + 8 h; byte b = group b of the k-tile
         v = tl.arange(0, SCALE_WORDS)
-        srow = tl.load(rows + tile * 128 + 16 * (v // 16) + v % 8 + 8 * ((v // 8) % 2))
+        srow = _weight_row(tile, 16 * (v // 16) + v % 8 + 8 * ((v // 8) % 2), n, GATE_UP, CONCAT)
         sbase = scales + (expert * n + srow.to(tl.int64)) * k_groups
         sword = tl.zeros((SCALE_WORDS,), dtype=tl.uint32)
         for b in tl.static_range(4):
@@ -70,12 +91,6 @@ def _pack_chunk(
             s = tl.load(sbase + col, mask=(srow >= 0) & (v * 0 + col < k_groups), other=0).to(tl.uint32)
             sword |= s << (8 * b)
         tl.store(dst + CODE_WORDS + v, sword.to(tl.int32, bitcast=True))
-
-
-@functools.lru_cache(maxsize=64)
-def _row_map(kind: str, gate_layout: str | None, n: int, device: torch.device) -> torch.Tensor:
-    # One small upload per (shape, device), before any capture: the first eager call makes it.
-    return wp.row_map(kind, gate_layout, n).to(device=device, dtype=torch.int32).flatten()
 
 
 def pack_slots(codes: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor, slot_offsets: torch.Tensor, *, kind: str,
@@ -88,15 +103,15 @@ def pack_slots(codes: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor, slo
         return wp.pack_mxfp4_experts(codes[idx.long()], scales[idx.long()], kind=kind, gate_layout=gate_layout)
     slots = idx.shape[0]
     k_tiles = -(-k // wp.KT)
-    rows = _row_map(kind, gate_layout, n, codes.device)
-    tiles = rows.shape[0] // wp.TILE_ROWS
+    tiles = wp.tiles_of(kind, n)
     out = torch.empty((slots, tiles, k_tiles, wp.WORDS), dtype=torch.int32, device=codes.device)
     if slots == 0:
         return out
     # ~2 TB/s moved (H200) whatever the launch: 4 or 8 warps, 1 to 23 k-tiles per program (bench/NOTES.md v55)
     with on_device(codes.device):
         _pack_chunk[(slots, tiles * k_tiles)](
-            codes, scales, idx, slot_offsets, rows, out, n, k // 2, k // wp.GROUP, tiles, k_tiles,
-            CODE_WORDS=wp.CODE_WORDS, SCALE_WORDS=wp.SCALE_WORDS, WORDS=wp.WORDS, num_warps=4,
+            codes, scales, idx, slot_offsets, out, n, k // 2, k // wp.GROUP, tiles, k_tiles,
+            CODE_WORDS=wp.CODE_WORDS, SCALE_WORDS=wp.SCALE_WORDS, WORDS=wp.WORDS,
+            GATE_UP=kind == "gate_up", CONCAT=gate_layout == "concat", num_warps=4,
         )  # fmt: skip
     return out

@@ -88,6 +88,36 @@ def test_cuda_slot_packing_matches_the_reference_packer(kind, layout, n, k, offs
     assert torch.equal(got[used], want[used])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,layout", [("rows", None), ("gate_up", "concat"), ("gate_up", "interleaved")])
+def test_cuda_slot_packing_captures_a_shape_never_run_eagerly(kind, layout):
+    """The packer needs no per-shape tensor: a CUDA graph may capture it for an N it has never packed (an upload
+    made on first use would fail inside the capture)."""
+    from cute_kernels import w4a16_pack as wp
+    from moe_ops.expert_slots import expert_slots
+    from moe_ops.w4_pack_kernel import pack_slots
+
+    offsets = torch.tensor([0, 2, 2, 5], dtype=torch.int32, device="cuda")
+
+    def inputs(n, k):
+        codes = torch.randint(0, 256, (3, n, k // 2), dtype=torch.uint8, device="cuda")
+        return codes, torch.randint(0, 256, (3, n, k // 32), dtype=torch.uint8, device="cuda")
+
+    idx, slot_offsets = expert_slots(offsets, 3, 3)
+    pack_slots(*inputs(256, 128), idx, slot_offsets, kind=kind, gate_layout=layout)  # compiles the kernel
+    codes, scales = inputs(384, 192)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = pack_slots(codes, scales, idx, slot_offsets, kind=kind, gate_layout=layout)
+    codes.copy_(torch.randint_like(codes, 0, 256))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = wp.pack_mxfp4_experts(codes[idx.long()], scales[idx.long()], kind=kind, gate_layout=layout)
+    used = slot_offsets[1:] > slot_offsets[:-1]
+    assert torch.equal(got[used], want[used])
+
+
 @pytest.mark.parametrize("tiled_weights", [True, False], ids=["tiled", "codes"])
 @pytest.mark.parametrize("weights_early", [True, False])
 def test_gemm2_loads_weights_early_only_when_tiled(tiled_weights, weights_early, monkeypatch):
