@@ -52,6 +52,39 @@ def test_slot_packing_matches_the_reference_packer_in_interpreter(kind, layout, 
     assert out.startswith("same"), out
 
 
+_ROW_SCRIPT = textwrap.dedent(
+    """
+    import torch, triton, triton.language as tl
+    from cute_kernels import w4a16_pack as wp
+    from moe_ops.w4_pack_kernel import _weight_row
+
+    @triton.jit
+    def rows_of(out, n, GATE_UP: tl.constexpr, CONCAT: tl.constexpr):
+        tile = tl.program_id(0)
+        r = tl.arange(0, 128)
+        tl.store(out + tile * 128 + r, _weight_row(tile, r, n, GATE_UP, CONCAT))
+
+    checked = 0
+    for kind, layout in (("rows", None), ("gate_up", "concat"), ("gate_up", "interleaved")):
+        for n in (2, 62, 64, 126, 128, 130, 200, 256, 384, 1000):
+            want = wp.row_map(kind, layout, n).flatten().to(torch.int32)
+            got = torch.empty_like(want)
+            rows_of[(wp.tiles_of(kind, n),)](got, n, GATE_UP=kind == "gate_up", CONCAT=layout == "concat")
+            assert torch.equal(got, want), (kind, layout, n)
+            checked += 1
+    print("same", checked)
+    """
+)
+
+
+@needs_interpreter
+def test_in_kernel_weight_rows_are_the_row_map_in_interpreter():
+    """The packer's in-kernel rule (_weight_row) gives w4a16_pack.row_map's rows, padding -1 included, for N
+    below, at and past the tile sizes and for both gate layouts."""
+    out = run_interpreted(_ROW_SCRIPT)
+    assert out.startswith("same 30"), out
+
+
 def test_served_recipes():
     """mxfp4 (1x32) weights, unquantized bf16 activations; GEMM1 with a gated activation and no requantization."""
     assert w4_kernels.serves("none", "mxfp4", (1, 32), torch.bfloat16)
