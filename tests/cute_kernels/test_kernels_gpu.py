@@ -315,6 +315,42 @@ def test_launches_follow_the_current_stream(interface):
     assert rel_err(old_out, out) > 0.1  # new inputs, a different output: the check above can fail
 
 
+def test_launches_wait_for_inputs_written_on_another_stream(interface):
+    """Two-batch overlap: the tokens and the routing come from a producer stream that the layer's stream waits
+    for through an event. The plan and the GEMMs launch as programmatic dependents of the kernel before them
+    on their own stream (here a short sleep that ends long before the producer); the event must still hold
+    them back until the producer's copies land."""
+    from moe_ops.plan import routing_plan
+
+    e, k, h, i, m = 16, 2, 512, 256, 64
+    w13, w2 = weights(e, h, i)
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+    tw, ti = routing(m, e, k)
+    new_x, (new_tw, new_ti) = torch.randn_like(x), routing(m, e, k)
+
+    def layer():
+        plan = routing_plan(ti, e, None)
+        inter = interface.gate_up(x, w13, None, plan[0], plan[1], activation="silu", alpha=1.702, limit=7.0, gate_layout="concat")
+        return interface.down_reduce(inter, w2, None, plan[0], tw, plan[2], weights_early=True)
+
+    old_out = layer()  # also compiles
+    torch.cuda.synchronize()
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(consumer):
+        torch.cuda._sleep(1000)
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU clock cycles
+        x.copy_(new_x)
+        tw.copy_(new_tw)
+        ti.copy_(new_ti)
+    consumer.wait_stream(producer)
+    with torch.cuda.stream(consumer):
+        out = layer()
+    torch.cuda.synchronize()
+    assert rel_err(out, reference(new_x, w13, w2, new_tw, new_ti)[1]) < TOL
+    assert rel_err(old_out, out) > 0.1
+
+
 @pytest.mark.parametrize("norm_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "m,e,k,h,i",
