@@ -284,10 +284,15 @@ def test_cuda_graph_replay_matches_eager(interface, early):
         assert rel_err(out, reference(x, w13, w2, tw, ti)[1]) < TOL, "graph replay differs from the reference ops"
 
 
-def test_launches_follow_the_current_stream(interface):
-    """On a side stream, behind a long sleep and the copy of new inputs: the plan, both GEMMs and the
-    token sum must run on that stream, after the copy. A launch on any other stream would run at once
-    and read the old inputs (and would escape a CUDA-graph capture the same way)."""
+@pytest.mark.parametrize("producer", ["current_stream", "other_stream"])
+def test_launches_wait_for_inputs_written_late(interface, producer):
+    """New inputs are copied in behind a long sleep, and the layer must read them, not the old ones.
+    current_stream: the copies and the layer on one side stream; the plan, both GEMMs and the token sum must
+    run on that stream, after the copies (a launch on any other stream would run at once and read the old
+    inputs, and would escape a CUDA-graph capture the same way). other_stream: two-batch overlap; the copies
+    on a producer stream that the layer's stream waits for through an event. The plan and the GEMMs launch
+    as programmatic dependents of the kernel before them on their own stream (a short sleep that ends long
+    before the producer); the event must still hold them back."""
     from moe_ops.plan import routing_plan
 
     e, k, h, i, m = 16, 2, 512, 256, 64
@@ -300,55 +305,32 @@ def test_launches_follow_the_current_stream(interface):
         plan = routing_plan(ti, e, None)
         inter = interface.gate_up(x, w13, None, plan[0], plan[1], activation="silu", alpha=1.702, limit=7.0, gate_layout="concat")
         return interface.down_reduce(inter, w2, None, plan[0], tw, plan[2], weights_early=True)
+
+    def write_new_inputs():
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU clock cycles
+        x.copy_(new_x)
+        tw.copy_(new_tw)
+        ti.copy_(new_ti)
 
     old_out = layer()  # also compiles
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU clock cycles
-        x.copy_(new_x)
-        tw.copy_(new_tw)
-        ti.copy_(new_ti)
-        out = layer()
+    if producer == "current_stream":
+        with torch.cuda.stream(side):
+            write_new_inputs()
+            out = layer()
+    else:
+        consumer = torch.cuda.Stream()
+        with torch.cuda.stream(consumer):
+            torch.cuda._sleep(1000)
+        with torch.cuda.stream(side):
+            write_new_inputs()
+        consumer.wait_stream(side)
+        with torch.cuda.stream(consumer):
+            out = layer()
     torch.cuda.synchronize()
     assert rel_err(out, reference(new_x, w13, w2, new_tw, new_ti)[1]) < TOL
     assert rel_err(old_out, out) > 0.1  # new inputs, a different output: the check above can fail
-
-
-def test_launches_wait_for_inputs_written_on_another_stream(interface):
-    """Two-batch overlap: the tokens and the routing come from a producer stream that the layer's stream waits
-    for through an event. The plan and the GEMMs launch as programmatic dependents of the kernel before them
-    on their own stream (here a short sleep that ends long before the producer); the event must still hold
-    them back until the producer's copies land."""
-    from moe_ops.plan import routing_plan
-
-    e, k, h, i, m = 16, 2, 512, 256, 64
-    w13, w2 = weights(e, h, i)
-    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
-    tw, ti = routing(m, e, k)
-    new_x, (new_tw, new_ti) = torch.randn_like(x), routing(m, e, k)
-
-    def layer():
-        plan = routing_plan(ti, e, None)
-        inter = interface.gate_up(x, w13, None, plan[0], plan[1], activation="silu", alpha=1.702, limit=7.0, gate_layout="concat")
-        return interface.down_reduce(inter, w2, None, plan[0], tw, plan[2], weights_early=True)
-
-    old_out = layer()  # also compiles
-    torch.cuda.synchronize()
-    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
-    with torch.cuda.stream(consumer):
-        torch.cuda._sleep(1000)
-    with torch.cuda.stream(producer):
-        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU clock cycles
-        x.copy_(new_x)
-        tw.copy_(new_tw)
-        ti.copy_(new_ti)
-    consumer.wait_stream(producer)
-    with torch.cuda.stream(consumer):
-        out = layer()
-    torch.cuda.synchronize()
-    assert rel_err(out, reference(new_x, w13, w2, new_tw, new_ti)[1]) < TOL
-    assert rel_err(old_out, out) > 0.1
 
 
 @pytest.mark.parametrize("norm_dtype", [torch.bfloat16, torch.float32])
