@@ -93,8 +93,9 @@ def value_checks(enabled: bool) -> Iterator[None]:
     """Context manager: inside the block, the eager checks that read tensor values (expert ids within
     [0, E), expert_map entries, finite calibration samples and weights) run (True, the default) or not
     (False). Off, an eager call on a GPU makes no host synchronisation (on, each layer call waits to
-    read back the expert ids' smallest and largest values), and bad values are handled as under torch.compile: a pair whose expert
-    id is out of range contributes nothing. Shape, dtype and device checks always run."""
+    read back the expert ids' smallest and largest values), and bad values are handled as under
+    torch.compile: a pair whose expert id is out of range contributes nothing. Shape, dtype and device
+    checks always run."""
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
     token = _VALUE_CHECKS.set(enabled)
@@ -135,8 +136,8 @@ def expect_values_in_range(name: str, t: torch.Tensor, low: int, high: int, what
     """Eager-only: every value of t lies in [low, high). Skipped for tensors without values (meta, fake)."""
     if not value_checks_enabled() or not has_values(t) or t.numel() == 0:  # numel last: a guard under compile
         return
-    # One reduction and two scalar reads: on an H200 host 28 µs against 45 for the compare-or-any (four
-    # kernels and a read), paid by every eager layer call (bench/NOTES.md v65). The slow path finds the value to name.
+    # One reduction and two scalar reads: on the H200 host 32 µs against 45 for compare, compare, or, any
+    # and a read, paid by every eager layer call (bench/NOTES.md v65). The slow path finds the value to name.
     lo, hi = torch.aminmax(t.reshape(-1))
     if lo.item() < low or hi.item() >= high:
         first = t[(t < low) | (t >= high)][0].item()
