@@ -17,11 +17,9 @@ batched product to gather. It is the correctness baseline, not the fast path.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from . import _checks, forward_only
+from . import _checks, devices, forward_only
 from .quant import formats
 from .quant import tiled
 from .quant.quantize import ACTIVATION_STORAGE, dequantize_activation
@@ -34,16 +32,13 @@ _NATIVE_GROUPED_MM = {("cpu", torch.float32), ("cuda", torch.bfloat16)}
 _GROUPED_MM_CUDA_MAJORS = (9, 10)
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
-
-
 def native_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch._grouped_mm serves `dtype` on `device` exactly and without a host sync."""
     if not hasattr(torch, "_grouped_mm") or (device.type, dtype) not in _NATIVE_GROUPED_MM:
         return False
-    return device.type != "cuda" or _cuda_major(device.index) in _GROUPED_MM_CUDA_MAJORS
+    return device.type != "cuda" or devices.capability(device)[0] in _GROUPED_MM_CUDA_MAJORS
+
+
 _CHUNK_BYTES = 1 << 28
 # Quantized weights up to this size in float32 are dequantized whole for calls with at least as many rows
 # as experts, where the batched product then gathers float32 rows: one dequantization instead of one per

@@ -24,7 +24,6 @@ griddepcontrol: there the kernels run in plain stream order (uses_grid_dependenc
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from . import devices
 from .launch_ints import cdiv, next_power_of_2
 
 
@@ -208,20 +208,11 @@ def launch_config(num_pairs: int, num_experts: int) -> PlanLaunch:
 PDL_MIN_CAPABILITY = (9, 0)
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    # Queried once per device: the plan runs on every layer of every call.
-    return torch.cuda.get_device_capability(index)
-
-
 def uses_grid_dependency(device: torch.device) -> bool:
     """Whether the plan on `device` launches as a programmatic dependent and lets the GEMM after it
     launch early: on CUDA devices of compute capability 9.0 or newer only (Triton's interpreter and
     older GPUs run the kernels without griddepcontrol, in plain stream order)."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= PDL_MIN_CAPABILITY
+    return device.type == "cuda" and devices.capability(device) >= PDL_MIN_CAPABILITY
 
 
 def compile_options(grid_dependency: bool) -> dict:

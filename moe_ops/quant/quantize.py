@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _checks, forward_only
+from .. import _checks, devices, forward_only
 from . import formats
 from .scheme import ActivationQuant, GroupShape
 
@@ -84,7 +84,7 @@ def _quantize(
     group_t = (group[0], group[1])
     if (
         x.device.type == "cuda" and dtype in ROW_KERNEL_CAPABILITY
-        and torch.cuda.get_device_capability(x.device) >= ROW_KERNEL_CAPABILITY[dtype]
+        and devices.capability(x.device) >= ROW_KERNEL_CAPABILITY[dtype]
     ):  # fmt: skip
         from .quantize_kernel import quantize_rows  # Triton: imported where it runs
 

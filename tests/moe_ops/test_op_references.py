@@ -199,7 +199,7 @@ def test_grouped_mm_on_cuda_only_where_it_has_kernels(monkeypatch):
         pytest.skip("torch._grouped_mm is missing")
     cuda = torch.device("cuda", 0)
     for major, want in ((8, False), (9, True), (10, True), (12, False)):
-        monkeypatch.setattr(gemm, "_cuda_major", lambda index, major=major: major)
+        monkeypatch.setattr(gemm.devices, "_capability", lambda index, major=major: (major, 0))
         assert gemm.native_grouped_mm(cuda, torch.bfloat16) is want, major
         assert gemm.native_grouped_mm(cuda, torch.float32) is False
     assert gemm.native_grouped_mm(torch.device("cpu"), torch.float32) is True

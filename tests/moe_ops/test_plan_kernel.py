@@ -265,7 +265,7 @@ def test_grid_dependency_only_from_sm90(monkeypatch, device, capability, expecte
     L4 and RTX 4090 must run the plan in plain stream order."""
     from moe_ops import plan_kernel
 
-    monkeypatch.setattr(plan_kernel, "_capability", lambda index: capability)
+    monkeypatch.setattr(plan_kernel.devices, "_capability", lambda index: capability)
     assert plan_kernel.uses_grid_dependency(torch.device(device)) is expected
 
 
