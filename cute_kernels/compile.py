@@ -48,6 +48,7 @@ timings: dict[str, tuple[str, float]] = {}
 
 
 def cache_dir() -> Path:
+    """Where compiled kernels are kept across processes: $MOE_OPS_CUTE_CACHE or ~/.cache/moe_ops/cute."""
     return Path(os.environ.get("MOE_OPS_CUTE_CACHE", Path.home() / ".cache" / "moe_ops" / "cute"))
 
 
@@ -68,6 +69,7 @@ def fake_ptr(dtype) -> cute.Pointer:
 
 
 def fake_stream():
+    """The stream placeholder a launcher's signature is compiled with."""
     # A stream argument of the signature (not the TVM-FFI environment's stream, which is set only
     # when a call passes tensors): launchers pass torch's current stream as an int.
     return make_fake_stream(use_tvm_ffi_env_stream=False)

@@ -169,10 +169,12 @@ def _short_k_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: in
 
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
+    """The streaming multiprocessors of CUDA device `device_index`: the persistent kernels' grid size."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def device_support(device: torch.device) -> tuple[bool, str]:
+    """(whether the kernels run on `device`, why not or its architecture): they need sm_90."""
     if device.type != "cuda":
         return False, f"{device.type}: the kernels run on CUDA GPUs"
     cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
@@ -210,6 +212,7 @@ def _common(dtype, weight_dtype, hidden, intermediate, num_experts, weight_row_m
 @functools.lru_cache(maxsize=None)
 def gate_up_support(*, dtype, weight_dtype, activation, gate_layout, has_bias, hidden, intermediate, num_experts,
                     weight_row_major=True, quantized=False) -> tuple[bool, str]:  # fmt: skip
+    """(whether gate_up's kernel serves a layer of this recipe, why not or what runs it); no tensor values."""
     why = _common(dtype, weight_dtype, hidden, intermediate, num_experts, weight_row_major, quantized)
     if why is None and activation not in ACTIVATIONS:
         why = f"activation {activation!r} is not one of {ACTIVATIONS}"
@@ -221,7 +224,8 @@ def gate_up_support(*, dtype, weight_dtype, activation, gate_layout, has_bias, h
 @functools.lru_cache(maxsize=None)
 def down_reduce_support(*, dtype, weight_dtype, has_bias, hidden, intermediate, num_experts,
                         weight_row_major=True, quantized=False, norm_dtype=None) -> tuple[bool, str]:  # fmt: skip
-    """norm_dtype: the dtype of a post-expert norm's weight (None: no norm)."""
+    """(whether down_reduce's kernels serve a layer of this recipe, why not or what runs them); no tensor values.
+    norm_dtype: the dtype of a post-expert norm's weight (None: no norm)."""
     why = _common(dtype, weight_dtype, hidden, intermediate, num_experts, weight_row_major, quantized)
     if why is None and norm_dtype is not None and norm_dtype not in (dtype, torch.float32):
         why = f"a post-expert norm's weight in {norm_dtype}; the kernel takes {dtype} or torch.float32"

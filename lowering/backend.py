@@ -27,6 +27,8 @@ REQUIRE_KERNELS = {"value": os.environ.get("MOE_OPS_REQUIRE_KERNELS", "0") == "1
 
 @dataclass(frozen=True)
 class Choice:
+    """Which backend runs one fused op's call and why; run(args) calls its kernel (None: the reference)."""
+
     backend: str  # "cute" or "reference"
     reason: str
     kernel: Callable | None = None
@@ -202,6 +204,7 @@ def gate_up_recipe(args: dict) -> dict:
 
 
 def down_reduce_recipe(args: dict) -> dict:
+    """The recipe of a down_reduce call: what the kernel choice depends on (never tensor values)."""
     w = args["w"]
     # A quantized intermediate is decoded to the output's dtype for the kernels (dequant_kernels.py).
     compute = args["out_dtype"] if args["a_dtype"] != "none" else args["a"].dtype
@@ -249,10 +252,12 @@ def _at_run_time(op: str, recipe: dict, device: torch.device, tensors: dict | No
 
 
 def choose_gate_up(args: dict) -> Choice:
+    """The backend for a gate_up call about to run with these arguments (the op's schema names)."""
     recipe = gate_up_recipe(args)
     return _at_run_time("gate_up", recipe, args["x"].device, _pointers("gate_up", args, recipe))
 
 
 def choose_down_reduce(args: dict) -> Choice:
+    """The backend for a down_reduce call about to run with these arguments (the op's schema names)."""
     recipe = down_reduce_recipe(args)
     return _at_run_time("down_reduce", recipe, args["a"].device, _pointers("down_reduce", args, recipe))

@@ -58,6 +58,7 @@ def _block(w_group) -> bool:
 
 
 def reason(a_group, w_group) -> str:
+    """What explain() says the fp8 kernels do for these activation and weight scale groups."""
     if _block(w_group):
         return REASON.format(a="1x128 group", w="128x128 block", where="in the main loop, per k-tile")
     a = "token" if tuple(a_group) == (1, -1) else "tensor"

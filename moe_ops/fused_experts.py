@@ -32,7 +32,6 @@ class LayerShape:
     """The layer's sizes as fused_experts' arguments give them, after their checks."""
 
     num_experts: int  # local experts (w13.shape[0])
-    num_global_experts: int  # valid ids are [0, this); len(expert_map) or num_experts
     hidden: int
     intermediate: int
     n13: int  # rows of each expert's w13: 2I gated, I otherwise
@@ -132,7 +131,7 @@ def check_inputs(
             "topk_ids", topk_ids, 0, num_global, "expert ids" + (" (global, indexing expert_map)" if expert_map is not None else "")
         )
     check_device_supports(config.name, device)
-    return LayerShape(num_experts, num_global, hidden, intermediate, n13, top_k)
+    return LayerShape(num_experts, hidden, intermediate, n13, top_k)
 
 
 def check_tiled_activation(act: Activation, gates: str) -> None:

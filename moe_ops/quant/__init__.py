@@ -47,3 +47,9 @@ FACTORIES = {
     "mxfp4_w4a16": mxfp4_w4a16,
     "mxfp4_w4a8": mxfp4_w4a8,
 }
+
+__all__ = [
+    "FACTORIES", "PER_CHANNEL", "PER_TENSOR", "PER_TOKEN", "SCHEMES", "UNQUANTIZED", "ActivationQuant", "GroupShape",
+    "QuantConfig", "QuantScheme", "WeightQuant", "dequantize_weight", "needs_calibration", "quantize_weight",
+    "quantize_weights", "static_activation_scales", "tile_mxfp4_weights", *FACTORIES, "mxfp4_w4a16_tiled",
+]  # fmt: skip

@@ -98,6 +98,7 @@ class QuantConfig:
         return self.scheme.name
 
     def tensors(self) -> dict[str, torch.Tensor | None]:
+        """Every tensor field by name (None where absent)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "scheme"}
 
     def gemm(self, which: str) -> dict[str, torch.Tensor | None]:

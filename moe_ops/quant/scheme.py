@@ -222,6 +222,7 @@ class QuantScheme:
         return None if self.weight is None else self.weight.tiled
 
     def describe(self) -> str:
+        """The scheme in words (activations, then weights), for error messages."""
         a = "bf16/fp16/fp32" if self.activation is None else f"{self.activation.dtype} {self.activation.group}" + (
             " static" if self.activation.static else ""
         )

@@ -32,6 +32,7 @@ GROUP = (1, wp.GROUP)
 
 
 def is_tiled(w_dtype: str) -> bool:
+    """Whether an op's weight format name is one of the load-time tiled mxfp4 formats."""
     return w_dtype in TILED_FORMATS
 
 

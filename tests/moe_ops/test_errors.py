@@ -328,10 +328,6 @@ FP8_STATIC = QuantScheme(ActivationQuant("fp8", PER_TENSOR, static=True), Weight
 FP8_W8A16 = QuantScheme(None, WeightQuant("fp8", PER_CHANNEL))
 
 
-def _replace_config(**changes):
-    return lambda kw: {**kw, "quant_config": dataclasses.replace(kw["quant_config"], **changes)}
-
-
 def _edit_config(name, fn):
     return lambda kw: {**kw, "quant_config": dataclasses.replace(kw["quant_config"], **{name: fn(getattr(kw["quant_config"], name))})}
 

@@ -345,7 +345,7 @@ def test_transposed_leaves_per_expert_weights_as_they_are():
 
 def test_load_only_some_tensors_keeps_the_rest():
     layer = _layer()
-    old13, old2 = layer.float_weights()
+    old13, _ = layer.float_weights()
     old_router = layer.router.weight.clone()
     new2 = torch.randn(E, H, I)
     layer.load_weights({"experts.down_proj": new2})
