@@ -20,7 +20,7 @@ import statistics
 import torch
 
 import lowering
-from cute_kernels import interface
+from cute_kernels import interface, tiles
 from moe_ops import fused_experts
 from cute_kernels.moe_gemm import Epilogue, MoeGemmSm90
 from moe_ops.bench import SHAPES, capture, expert_weights, graph_inputs, layer_inputs, replay_times_us
@@ -32,8 +32,8 @@ def parse_variant(text: str) -> dict[str, tuple[int, int]]:
     for item in text.split(","):
         layout, _, tile = item.partition(":")
         tm, _, tn = tile.partition("x")
-        if layout not in interface.TILE_N or not (tm.isdigit() and tn.isdigit()):
-            raise argparse.ArgumentTypeError(f"variant {text!r}: expected LAYOUT:MxN with LAYOUT in {sorted(interface.TILE_N)}")
+        if layout not in tiles.TILE_N or not (tm.isdigit() and tn.isdigit()):
+            raise argparse.ArgumentTypeError(f"variant {text!r}: expected LAYOUT:MxN with LAYOUT in {sorted(tiles.TILE_N)}")
         tm, tn = int(tm), int(tn)
         # The kernel's own constructor says which tiles it builds (no compile happens here).
         epi = Epilogue("none", "none") if layout == "none" else Epilogue("silu", layout)

@@ -7,6 +7,7 @@
   packed once by w4a16_pack.py);
 - compile.py: compile once (TVM-FFI calling: ints for pointers, scalars and the stream), cache in
   memory and on disk;
+- tiles.py: the tile shapes each GEMM takes, chosen from the layer's sizes on the host;
 - interface.py: what callers use: support checks with reasons, and launchers taking torch tensors.
 This package imports nothing from moe_ops or lowering.
 """

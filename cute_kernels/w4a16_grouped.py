@@ -59,7 +59,7 @@ from .moe_gemm import GATED, READS, _gated
 from .w4a16_pack import CODE_WORDS, GROUP, GROUPS, KT, MAG_MASK, MAG_SHIFT, SIGN_MASK, SIGN_SHIFT, TILE_ROWS, WORDS
 
 BF16 = cutlass.BFloat16
-TOKS = (16, 32, 64, 128)  # rows of A per m-tile (WGMMA's N), a variant: interface.choose_w4a16_tok
+TOKS = (16, 32, 64, 128)  # rows of A per m-tile (WGMMA's N), a variant: tiles.choose_w4a16_tok
 KB = KT // 16  # WGMMA k-blocks per k-tile
 CHUNK = WORDS * 4  # bytes of one (expert, tile, k-tile) chunk
 ROW_W = 128  # the chunk as a TMA box of BOX rows of ROW_W bytes (a box has at most 256 rows)

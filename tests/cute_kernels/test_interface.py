@@ -14,7 +14,7 @@ import torch
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 pytest.importorskip("cutlass")
 
-from cute_kernels import interface  # noqa: E402
+from cute_kernels import interface, tiles  # noqa: E402
 from cute_kernels.moe_gemm import MAX_EXPERTS  # noqa: E402
 
 from .test_compile import _direct_args  # noqa: E402
@@ -293,8 +293,8 @@ def test_fp8_tiles_are_ones_the_fp8_kernels_take(layout):
             fp8 = interface.choose_fp8_tiles(layout, n_out, m, k, e, 132, k_dim=k_dim)
             assert fp8 in allowed, (layout, e, m, fp8)
             if fp8 != bf16:
-                wide = interface._rows_per_expert(m * k, e)[1] > interface.SWAP_ROWS and layout == "none"
-                assert fp8 == interface.FP8_TILES.get((layout != "none", bf16)) or (wide and fp8 == interface.FP8_WIDE_GEMM2[bf16])
+                wide = tiles._rows_per_expert(m * k, e)[1] > tiles.SWAP_ROWS and layout == "none"
+                assert fp8 == tiles.FP8_TILES.get((layout != "none", bf16)) or (wide and fp8 == tiles.FP8_WIDE_GEMM2[bf16])
 
 
 def test_fp8_tile_rule_cases():

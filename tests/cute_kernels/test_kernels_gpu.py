@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from cute_kernels import tiles  # host-side rules only: imports no CuTe DSL
 from moe_ops.bench import SHAPES, TOKENS  # the benchmarked models' (E, top-k, H, I) and token counts
 
 from .gpu_cases import reference, rel_err, routing, weights
@@ -173,8 +174,8 @@ def test_float16(interface, activation, layout, bias_dtype):
     kw = dict(activation=activation, layout=layout, bias=bias_dtype is not None, w=w, dtype=torch.float16, bias_dtype=bias_dtype)
     for m in (1, 40, 1000):
         check(interface, m, e, k, h, i, **kw)
-    swapped = interface.SWAP_TILE if layout in interface.SWAP_LAYOUTS else interface.SPLIT_K_TILE
-    check(interface, 40, e, k, h, i, tiles=(swapped, interface.SWAP_TILE), **kw)
+    swapped = tiles.SWAP_TILE if layout in tiles.SWAP_LAYOUTS else tiles.SPLIT_K_TILE
+    check(interface, 40, e, k, h, i, tiles=(swapped, tiles.SWAP_TILE), **kw)
 
 
 @pytest.mark.parametrize("i", [64, 128, 320])
