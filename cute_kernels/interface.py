@@ -39,7 +39,7 @@ from .norm_token_sum import MAX_H as NORM_MAX_H, NormTokenSumSm90  # noqa: E402
 from .token_sum import TokenSumSm90  # noqa: E402
 from . import w4a16_pack as w4_pack  # noqa: E402
 from .tiles import (  # noqa: E402
-    _cdiv, choose_fp8_tiles, choose_tiles, choose_w4a16_tok, fp8_tile_shapes, tile_shapes, w4a16_gathers_in_kernel,
+    cdiv, choose_fp8_tiles, choose_tiles, choose_w4a16_tok, fp8_tile_shapes, tile_shapes, w4a16_gathers_in_kernel,
 )
 from .w4a16_grouped import TOKS as W4A16_TOKS, W4a16GroupedSm90, W4Epilogue  # noqa: E402
 
@@ -360,7 +360,7 @@ def _fp8_scales(a, w, a_scale, w_scale, out_dtype, block_scales=False) -> tuple[
             raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
     e, n = w.shape[0], w.shape[1]
     if block_scales:
-        kb, nb = _cdiv(a.shape[1], SCALE_BLOCK), _cdiv(n, SCALE_BLOCK)
+        kb, nb = cdiv(a.shape[1], SCALE_BLOCK), cdiv(n, SCALE_BLOCK)
         for name, t, want in (("a_scale", a_scale, (a.shape[0], kb)), ("w_scale", w_scale, (e, nb, kb))):
             if tuple(t.shape) != want:
                 raise ValueError(f"{name}: shape {list(t.shape)}; block scales of K = {a.shape[1]} take {list(want)} (1x128 and 128x128 groups)")
@@ -619,10 +619,10 @@ def w4a16_grouped_gemm(a, packed, offsets, *, n: int, activation: str | None = N
     if num_experts is not None and num_experts > MAX_EXPERTS:
         raise ValueError(f"offsets: {num_experts} experts; the kernel keeps the offsets in shared memory, for at most {MAX_EXPERTS}")
     n_out = w4_pack.output_columns(kind, n)
-    tiles = _cdiv(n, w4_pack.TILE_ROWS) if kind == "rows" else _cdiv(n_out, w4_pack.TILE_ROWS // 2)
+    tiles = cdiv(n, w4_pack.TILE_ROWS) if kind == "rows" else cdiv(n_out, w4_pack.TILE_ROWS // 2)
     bias_shape = (num_experts, n)
     out_dtype = out_dtype if kind == "rows" else torch.bfloat16
-    k_tiles = _cdiv(k, w4_pack.KT)
+    k_tiles = cdiv(k, w4_pack.KT)
     if isinstance(packed, torch.Tensor) and packed.dim() == 3:  # tiled at load time: whole experts of S chunks
         s_chunks = packed.shape[1]
         if s_chunks < tiles * k_tiles:

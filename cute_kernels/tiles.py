@@ -28,7 +28,8 @@ SPLIT_K_TILE = (16, 64)
 LONG_K = 2560
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for b > 0 (host ints)."""
     return -(-a // b)
 
 
@@ -36,7 +37,7 @@ def _rows_per_expert(pairs: int, num_experts: int) -> tuple[int, int]:
     """(experts with rows, rows each, rounded up) for `pairs` routed pairs spread evenly over
     num_experts (at least one expert, so the tile rules stay defined at M = 0)."""
     active = max(1, min(num_experts, pairs))
-    return active, _cdiv(pairs, active)
+    return active, cdiv(pairs, active)
 
 
 # Pure and called per launch: an eager call's host time counts at small M (bench/NOTES.md v38). Bounded,
@@ -93,8 +94,8 @@ def _busiest_rows(tile: tuple[int, int], gate_layout: str, n_out: int, m: int, k
     active, rows = _rows_per_expert(pairs, num_experts)
     tile_m, tile_n = tile
     out_cols = tile_n // (1 if gate_layout == "none" else 2)
-    tiles = active * _cdiv(rows, tile_m) * _cdiv(n_out, out_cols)
-    return _cdiv(tiles, sms) * tile_n
+    tiles = active * cdiv(rows, tile_m) * cdiv(n_out, out_cols)
+    return cdiv(tiles, sms) * tile_n
 
 
 def _short_k_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: int, sms: int) -> tuple[int, int]:
@@ -104,12 +105,12 @@ def _short_k_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: in
     if gate_layout in SWAP_LAYOUTS and rows <= SWAP_ROWS:
         # Output columns per swapped tile: tile_n weight rows, half of them up rows with [gate; up].
         swap_cols = SWAP_TILE[1] // (2 if gate_layout == "concat" else 1)
-        tiles = active * _cdiv(rows, SWAP_TILE[0]) * _cdiv(n_out, swap_cols)
+        tiles = active * cdiv(rows, SWAP_TILE[0]) * cdiv(n_out, swap_cols)
         if tiles >= FEW_WAVES * sms:
             return SWAP_TILE
     tile_m = 64 if pairs < 64 * num_experts else 128
-    m_tiles = active * _cdiv(rows, tile_m)
-    waves = lambda tile_n: m_tiles * _cdiv(n_out, tile_n) / sms  # noqa: E731
+    m_tiles = active * cdiv(rows, tile_m)
+    waves = lambda tile_n: m_tiles * cdiv(n_out, tile_n) / sms  # noqa: E731
     if gate_layout != "none":
         tile_n = 256 if pairs >= 64 * num_experts else 128
     else:
@@ -118,7 +119,7 @@ def _short_k_tiles(gate_layout: str, n_out: int, m: int, k: int, num_experts: in
         if tile_m == 64:
             # Each weight column meets about one 64-row tile, so the columns a last partial N tile
             # pads (gpt-oss: 2880 = 11.25 x 256) are MMAs for nothing (bench/NOTES.md, v14).
-            tile_n = min(fits, key=lambda n: (_cdiv(n_out, n) * n, -n))
+            tile_n = min(fits, key=lambda n: (cdiv(n_out, n) * n, -n))
     if tile_m == 64 and waves(tile_n) < FEW_WAVES:
         tile_n = min(STREAM_TILE_N[gate_layout], key=lambda n: (math.ceil(waves(n)) * n, -n))
     return tile_m, tile_n

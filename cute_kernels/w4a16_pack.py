@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from .tiles import cdiv
+
 KT = 128  # K per k-tile
 TILE_ROWS = 128  # weight rows per tile (two consumer warpgroups of 64)
 GROUP = 32  # mxfp4's K per scale
@@ -59,10 +61,6 @@ def _source_bits() -> dict[tuple[int, int], tuple[int, int, int, int]]:
 SOURCE_BITS = _source_bits()
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def output_columns(kind: str, n: int) -> int:
     """The GEMM's output columns: N for "rows", N / 2 for "gate_up" (the activation's output)."""
     return n if kind == "rows" else n // 2
@@ -72,11 +70,11 @@ def row_map(kind: str, gate_layout: str | None, n: int, device=None) -> torch.Te
     """int64 [tiles, 128] on `device` (the CPU by default): the weight row (of N) each tile row reads; -1
     past the weights. Built there, not copied: a host-to-device copy would fail inside a CUDA graph capture."""
     if kind == "rows":
-        t = _cdiv(n, TILE_ROWS)
+        t = cdiv(n, TILE_ROWS)
         r = torch.arange(t * TILE_ROWS, device=device).reshape(t, TILE_ROWS)
         return torch.where(r < n, r, -1)
     inter = n // 2
-    c = torch.arange(_cdiv(inter, 64) * 64, device=device).reshape(-1, 64)
+    c = torch.arange(cdiv(inter, 64) * 64, device=device).reshape(-1, 64)
     gate, up = (c, inter + c) if gate_layout == "concat" else (2 * c, 2 * c + 1)
     return torch.where(torch.cat((c, c), 1) < inter, torch.cat((gate, up), 1), -1)
 
@@ -87,8 +85,8 @@ def check_experts(codes, scales, kind, gate_layout) -> tuple[int, int, int]:
         raise TypeError(f"codes: want uint8 [E, N, K/2] (two e2m1 per byte), got {getattr(codes, 'dtype', type(codes))} "
                         f"{tuple(getattr(codes, 'shape', ()))}")  # fmt: skip
     e, n, k = codes.shape[0], codes.shape[1], 2 * codes.shape[2]
-    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8 or tuple(scales.shape) != (e, n, _cdiv(k, GROUP)):
-        raise TypeError(f"scales: want uint8 e8m0 [E, N, K/32] = {(e, n, _cdiv(k, GROUP))}, got "
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8 or tuple(scales.shape) != (e, n, cdiv(k, GROUP)):
+        raise TypeError(f"scales: want uint8 e8m0 [E, N, K/32] = {(e, n, cdiv(k, GROUP))}, got "
                         f"{getattr(scales, 'dtype', type(scales))} {tuple(getattr(scales, 'shape', ()))}")  # fmt: skip
     if scales.device != codes.device:
         raise ValueError(f"scales on {scales.device}, codes on {codes.device}: want one device")
@@ -145,7 +143,7 @@ def pack_mxfp4_experts(codes: torch.Tensor, scales: torch.Tensor, *, kind: str, 
     k_tiles = cdiv(K, 128). On the codes' device, one expert at a time (the index maps are shared)."""
     e, n, k = check_experts(codes, scales, kind, gate_layout)
     device = codes.device
-    k_tiles = _cdiv(k, KT)
+    k_tiles = cdiv(k, KT)
     k_pad = k_tiles * KT
     row, k0 = _word_index(kind, gate_layout, n, k_tiles, device)
     srow, scol = _scale_index(kind, gate_layout, n, k_tiles, device)
@@ -166,7 +164,7 @@ def pack_mxfp4_experts(codes: torch.Tensor, scales: torch.Tensor, *, kind: str, 
 
 def tiles_of(kind: str, n: int) -> int:
     """Tiles per expert of an [N, K] weight packed as `kind`: cdiv(N, 128) ("rows") or cdiv(N / 2, 64) ("gate_up")."""
-    return _cdiv(n, TILE_ROWS) if kind == "rows" else _cdiv(n // 2, TILE_ROWS // 2)
+    return cdiv(n, TILE_ROWS) if kind == "rows" else cdiv(n // 2, TILE_ROWS // 2)
 
 
 def tiled_chunks(kind: str, n: int, k: int) -> tuple[int, int]:
@@ -176,12 +174,12 @@ def tiled_chunks(kind: str, n: int, k: int) -> tuple[int, int]:
     size (every shape check and fake impl reads the weights' rows there) and the kernel finds expert e at chunk
     e * S. S is the least multiple of N / gcd(N, chunk bytes) that holds the chunks, so N * B = S * chunk bytes;
     for N a multiple of 64 the padding is under 1 / k_tiles of the chunks (gpt-oss w2: 540 for 529)."""
-    need = tiles_of(kind, n) * _cdiv(k, KT)
+    need = tiles_of(kind, n) * cdiv(k, KT)
     g, r = n, 4 * WORDS
     while r:  # gcd(n, chunk bytes) by hand: shape checks call this under torch.compile, whose Dynamo has no math.gcd
         g, r = r, g % r
     step = n // g
-    s = _cdiv(need, step) * step
+    s = cdiv(need, step) * step
     return s, s * 4 * WORDS // n
 
 
@@ -215,7 +213,7 @@ def untile_mxfp4_experts(tiled: torch.Tensor, *, kind: str, gate_layout: str | N
     Plain torch, any device; check: raise ValueError if a padding code or scale is not 0 (a host sync)."""
     e, n = tiled.shape[0], tiled.shape[1]
     t = tiles_of(kind, n)
-    k_tiles = _cdiv(k, KT)
+    k_tiles = cdiv(k, KT)
     words = tiled_words(tiled.contiguous())[:, : t * k_tiles].reshape(e, t, k_tiles, WORDS)
     return unpack_mxfp4_experts(words, kind=kind, gate_layout=gate_layout, n=n, k=k, check=check)
 
@@ -224,7 +222,7 @@ def unpack_mxfp4_experts(packed: torch.Tensor, *, kind: str, gate_layout: str | 
     """The inverse of pack_mxfp4_experts: int32 [E, tiles, k_tiles, WORDS] -> (codes uint8 [E, N, K/2],
     scales uint8 [E, N, K/32]). check: raise ValueError if a padding code or scale is not 0 (a host sync)."""
     e = packed.shape[0]
-    k_tiles = _cdiv(k, KT)
+    k_tiles = cdiv(k, KT)
     device = packed.device
     row, k0 = _word_index(kind, gate_layout, n, k_tiles, device)
     srow, scol = _scale_index(kind, gate_layout, n, k_tiles, device)

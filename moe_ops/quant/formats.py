@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from ..launch_ints import cdiv
+
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 INT8_MAX = 127.0
 E2M1_MAX = 6.0
@@ -28,10 +30,6 @@ _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _TINY = 1e-12
 # Formats whose values carry a float32 global scale besides their group scales.
 GLOBAL_SCALE_FORMATS = frozenset({"nvfp4"})
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def group_dims(group: tuple[int, int], rows: int, cols: int) -> tuple[int, int]:

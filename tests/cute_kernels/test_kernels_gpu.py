@@ -201,13 +201,13 @@ def test_expert_ids_hint_changes_nothing(interface, layout):
         "int32": ti, "int64": ti.long(), "other experts": (ti + 1) % e, "duplicates": ti[:, :1].repeat(1, k),
         "out of range": ti + e, "negative": -ti - 1,
     }  # fmt: skip
-    for tiles in interface.tile_shapes(layout):
-        kw = dict(activation="silu", alpha=1.702, limit=7.0, gate_layout=layout, tiles=tiles)
+    for tile in tiles.tile_shapes(layout):
+        kw = dict(activation="silu", alpha=1.702, limit=7.0, gate_layout=layout, tiles=tile)
         plain = interface.gate_up(x, w13, None, offsets, gather, **kw)
-        assert rel_err(plain, ref_inter) < TOL, tiles
+        assert rel_err(plain, ref_inter) < TOL, tile
         for name, ids in hints.items():
             hinted = interface.gate_up(x, w13, None, offsets, gather, expert_ids=ids, **kw)
-            assert torch.equal(hinted, plain), (tiles, name)
+            assert torch.equal(hinted, plain), (tile, name)
 
 
 def test_experts_without_tokens(interface):
